@@ -1,0 +1,1 @@
+"""memrt.comm: topology-aware drop-in torch.distributed."""

@@ -1,0 +1,3 @@
+from memrt.cli import main
+
+raise SystemExit(main())

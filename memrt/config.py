@@ -1,0 +1,311 @@
+"""The one place memrt reads its environment.
+
+Every ``MEMRT_*`` variable is parsed here into a typed :class:`MemrtConfig`, and each value remembers
+where it came from (``default``, ``environment`` or ``argument``). Launcher variables (torchrun, MPI,
+SLURM) are read by :mod:`memrt.launcher` through :func:`environ`, never from ``os.environ`` directly.
+
+Precedence: argument > environment > default. ``MEMRT=0`` switches everything off.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from fractions import Fraction
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from memrt.errors import ConfigError
+
+__all__ = [
+    "Budget",
+    "MemrtConfig",
+    "VARIABLES",
+    "environ",
+    "format_bytes",
+    "load_config",
+    "parse_bool",
+    "parse_budget",
+    "parse_size",
+    "parse_topology",
+]
+
+logger = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no"}
+_BOOL_FORMS = "one of 1/0, true/false, on/off, yes/no"
+_SIZE_FORMS = (
+    "a size: bare integer bytes, or a number with KB/MB/GB/TB (decimal) or KiB/MiB/GiB/TiB (binary) "
+    "such as 500MB or 3GiB"
+)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+OFFLOAD_CHOICES = ("auto", "none", "host", "disk")
+COMM_CHOICES = ("auto", "flat", "hier", "off")
+COMPRESS_CHOICES = ("none", "bf16", "fp16", "int8")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def environ() -> dict[str, str]:
+    """A copy of the process environment: the only read of ``os.environ`` in memrt."""
+    return dict(os.environ)
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ConfigError(name, raw, _BOOL_FORMS)
+
+
+def parse_size(name: str, raw: str) -> int:
+    """Bytes from ``"123"``, ``"500MB"``, ``"3GiB"``, ``"1.5 GiB"`` (case-insensitive units)."""
+    m = _SIZE_RE.match(str(raw))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(name, raw, _SIZE_FORMS)
+    number, unit = m.group(1), m.group(2).lower()
+    if unit in ("", "b") and "." in number:
+        raise ConfigError(name, raw, _SIZE_FORMS + " (bytes must be a whole number)")
+    value = int(Fraction(number) * _SIZE_UNITS[unit])  # exact: no float rounding of large sizes
+    if value <= 0:
+        raise ConfigError(name, raw, _SIZE_FORMS + " greater than zero")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A memory budget: either absolute bytes or a share of the device's capacity."""
+
+    bytes: int | None = None
+    """Absolute budget in bytes, or None when the budget is a share."""
+    share: float | None = None
+    """Fraction of device capacity in (0, 1], or None when the budget is absolute."""
+
+    def resolve(self, capacity_bytes: int | None) -> int:
+        """The budget in bytes for a device of ``capacity_bytes``."""
+        if self.bytes is not None:
+            return self.bytes
+        if capacity_bytes is None:
+            raise ConfigError("MEMRT_BUDGET", f"{self.share * 100:g}%", "an absolute size: this device's capacity is unknown")
+        return int(self.share * capacity_bytes)
+
+    def __str__(self) -> str:
+        return format_bytes(self.bytes) if self.bytes is not None else f"{self.share * 100:g}%"
+
+
+def parse_budget(name: str, raw: Any) -> Budget | None:
+    """Budget from an int (bytes), a size string, a share ``"60%"``, or None/"" (no limit)."""
+    if raw is None:
+        return None
+    if isinstance(raw, Budget):
+        return raw
+    if isinstance(raw, bool):
+        raise ConfigError(name, raw, _SIZE_FORMS + ", or a share such as 60%")
+    if isinstance(raw, int):
+        if raw <= 0:
+            raise ConfigError(name, raw, "a positive number of bytes")
+        return Budget(bytes=raw)
+    text = str(raw).strip()
+    if text == "" or text.lower() in ("none", "unlimited"):
+        return None
+    m = _SHARE_RE.match(text)
+    if m:
+        share = float(m.group(1)) / 100.0
+        if not 0.0 < share <= 1.0:
+            raise ConfigError(name, raw, "a share between 0% (exclusive) and 100%")
+        return Budget(share=share)
+    try:
+        return Budget(bytes=parse_size(name, text))
+    except ConfigError:
+        raise ConfigError(name, raw, _SIZE_FORMS + ", or a share such as 60%") from None
+
+
+def parse_topology(name: str, raw: str) -> tuple[tuple[int, ...], ...]:
+    """``"0,1;2,3"`` -> ((0, 1), (2, 3)): nodes as lists of global ranks, each rank once."""
+    forms = "nodes separated by ';', ranks by ',', each rank once, e.g. 0,1;2,3"
+    text = str(raw).strip()
+    if not text:
+        raise ConfigError(name, raw, forms)
+    nodes: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for part in text.split(";"):
+        part = part.strip()
+        if not part:
+            raise ConfigError(name, raw, forms + " (empty node)")
+        ranks = []
+        for item in part.split(","):
+            item = item.strip()
+            if not item.isdigit():
+                raise ConfigError(name, raw, forms + f" ({item!r} is not a rank)")
+            r = int(item)
+            if r in seen:
+                raise ConfigError(name, raw, forms + f" (rank {r} appears twice)")
+            seen.add(r)
+            ranks.append(r)
+        nodes.append(tuple(ranks))
+    if sorted(seen) != list(range(len(seen))):
+        raise ConfigError(name, raw, forms + " (ranks must be 0..N-1 with none missing)")
+    return tuple(nodes)
+
+
+def _choice(choices: tuple[str, ...]):
+    def parse(name: str, raw: str) -> str:
+        v = str(raw).strip().lower()
+        if v not in choices:
+            raise ConfigError(name, raw, "one of " + "|".join(choices))
+        return v
+
+    return parse
+
+
+def _path(name: str, raw: str) -> str:
+    v = str(raw).strip()
+    if not v or "\x00" in v:
+        raise ConfigError(name, raw, "a directory path")
+    return v
+
+
+@dataclass(kw_only=True, slots=True)
+class MemrtConfig:
+    """memrt's effective settings, one field per ``MEMRT_*`` variable."""
+
+    enabled: bool = False
+    """MEMRT: switch memrt on in unchanged jobs (env activation). Default off."""
+    budget: Budget | None = None
+    """MEMRT_BUDGET: peak device bytes per training step; None plans for speed (no limit)."""
+    offload: str = "auto"
+    """MEMRT_OFFLOAD: auto|none|host|disk — which offload tiers the planner may use."""
+    offload_dir: str | None = None
+    """MEMRT_OFFLOAD_DIR: directory of the disk tier; None makes a private temp dir (0700)."""
+    comm: str = "auto"
+    """MEMRT_COMM: auto|flat|hier|off — collective algorithm choice; auto uses the cost model."""
+    compress: str = "none"
+    """MEMRT_COMPRESS: none|bf16|fp16|int8 — compression of the inter-node hop only."""
+    topology: tuple[tuple[int, ...], ...] | None = None
+    """MEMRT_TOPOLOGY: node grouping override, e.g. 0,1;2,3; None discovers it."""
+    report_dir: str | None = None
+    """MEMRT_REPORT_DIR: where per-rank reports go; None means ./memrt-report/<run id>/."""
+    log_level: str = "warning"
+    """MEMRT_LOG_LEVEL: debug|info|warning|error for memrt's loggers."""
+    strict: bool = False
+    """MEMRT_STRICT: raise instead of warning-and-continue when activation fails."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Variable name -> 'default' | 'environment' | 'argument' for every setting."""
+
+    def __post_init__(self) -> None:
+        for fname, choices in (("offload", OFFLOAD_CHOICES), ("comm", COMM_CHOICES),
+                               ("compress", COMPRESS_CHOICES), ("log_level", LOG_LEVELS)):
+            if getattr(self, fname) not in choices:
+                raise ConfigError(_FIELD_TO_VAR[fname], getattr(self, fname), "one of " + "|".join(choices))
+
+    def effective(self) -> dict[str, dict[str, Any]]:
+        """Variable name -> {"value": printable value, "source": where it came from}."""
+        out = {}
+        for var, fname in _VAR_TO_FIELD.items():
+            value = getattr(self, fname)
+            if isinstance(value, Budget):
+                value = str(value)
+            elif fname == "topology" and value is not None:
+                value = ";".join(",".join(map(str, n)) for n in value)
+            out[var] = {"value": value, "source": self.sources.get(var, "default")}
+        return out
+
+
+# Variable -> (field name, parser)
+_PARSERS = {
+    "MEMRT": ("enabled", parse_bool),
+    "MEMRT_BUDGET": ("budget", parse_budget),
+    "MEMRT_OFFLOAD": ("offload", _choice(OFFLOAD_CHOICES)),
+    "MEMRT_OFFLOAD_DIR": ("offload_dir", _path),
+    "MEMRT_COMM": ("comm", _choice(COMM_CHOICES)),
+    "MEMRT_COMPRESS": ("compress", _choice(COMPRESS_CHOICES)),
+    "MEMRT_TOPOLOGY": ("topology", parse_topology),
+    "MEMRT_REPORT_DIR": ("report_dir", _path),
+    "MEMRT_LOG_LEVEL": ("log_level", _choice(LOG_LEVELS)),
+    "MEMRT_STRICT": ("strict", parse_bool),
+}
+_VAR_TO_FIELD = {var: f for var, (f, _) in _PARSERS.items()}
+_FIELD_TO_VAR = {f: var for var, f in _VAR_TO_FIELD.items()}
+VARIABLES = tuple(_PARSERS)
+"""Every MEMRT_* variable memrt understands."""
+
+# Variables that are memrt's own but not settings (set by memrt for its child processes).
+_INTERNAL = {"MEMRT_RUN_ID", "MEMRT_AUTOLOAD_ACTIVE", "MEMRT_FORCE_DEVICE_KIND", "MEMRT_CPU_CAP"}
+
+
+def load_config(env: Mapping[str, str] | None = None, *, warn_unknown: bool = True, **overrides: Any) -> MemrtConfig:
+    """Read every ``MEMRT_*`` variable from ``env`` (default: the process environment).
+
+    Keyword overrides use field names (``budget="3GiB"``, ``comm="hier"``) and win over the
+    environment. A bad value raises :class:`memrt.ConfigError` naming the variable.
+    """
+    env = environ() if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for var, (fname, parse) in _PARSERS.items():
+        sources[var] = "default"
+        if fname in overrides and overrides[fname] is not None:
+            raw = overrides.pop(fname)
+            values[fname] = raw if _already_typed(fname, raw) else parse(var, raw)
+            sources[var] = "argument"
+        elif var in env and env[var].strip() != "":
+            values[fname] = parse(var, env[var])
+            sources[var] = "environment"
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        valid = [f.name for f in fields(MemrtConfig) if f.name != "sources"]
+        bad = next(iter(overrides))
+        raise TypeError(f"load_config() got an unknown setting {bad!r}; valid settings: {', '.join(valid)}")
+    if warn_unknown:
+        for var in env:
+            if var.startswith("MEMRT") and var not in _PARSERS and var not in _INTERNAL:
+                close = difflib.get_close_matches(var, VARIABLES, n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; known variables: {', '.join(VARIABLES)}"
+                logger.warning("unknown memrt variable %s ignored%s", var, hint)
+    return MemrtConfig(**values, sources=sources)
+
+
+def _already_typed(fname: str, raw: Any) -> bool:
+    if fname == "budget":
+        return isinstance(raw, Budget)
+    if fname in ("enabled", "strict"):
+        return isinstance(raw, bool)
+    if fname == "topology":
+        return isinstance(raw, tuple)
+    return False
+
+
+def internal_setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """memrt's own process-to-process variables (run id, forced device kind): not user settings."""
+    if name not in _INTERNAL:
+        raise KeyError(name)
+    env = environ() if env is None else env
+    return env.get(name)

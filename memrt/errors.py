@@ -1,0 +1,40 @@
+"""The exceptions memrt raises to users."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "BudgetError", "MemrtError"]
+
+
+class MemrtError(RuntimeError):
+    """Base class of memrt's own errors."""
+
+
+class ConfigError(MemrtError, ValueError):
+    """A setting (environment variable or argument) has a value memrt cannot use.
+
+    The message names the setting, the bad value and the accepted forms, on one line.
+    """
+
+    def __init__(self, setting: str, value: object, expected: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{setting}={value!r} is not valid: expected {expected}")
+
+
+class BudgetError(MemrtError):
+    """No plan fits the memory budget; ``min_feasible_bytes`` is the smallest that does."""
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "") -> None:
+        from memrt.config import format_bytes
+
+        self.budget_bytes = int(budget_bytes)
+        self.min_feasible_bytes = int(min_feasible_bytes)
+        msg = (
+            f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is infeasible: the smallest "
+            f"feasible budget is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); "
+            f"raise MEMRT_BUDGET (or budget=) to at least that"
+        )
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)

@@ -1,0 +1,164 @@
+"""Which launcher started this process, and this process's place in the job.
+
+Discovery reads the environment only (no process group is started). One launcher's variables are
+taken whole, never mixed: torchrun first (its ``RANK`` wins inside a SLURM allocation), then Open MPI,
+MVAPICH, MPICH/Intel MPI (PMI), SLURM srun, else a single process.
+
+An MPI launch without ``MASTER_ADDR`` reaches torch.distributed through :func:`mpi_rendezvous`, which
+broadcasts rank 0's address and a free port over mpi4py.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+from memrt.config import environ
+from memrt.errors import ConfigError
+
+__all__ = ["LaunchInfo", "discover_launch", "mpi_rendezvous", "import_mpi4py"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchInfo:
+    """This process's place in the job, as its launcher described it."""
+
+    launcher: str
+    """'torchrun', 'openmpi', 'mvapich', 'mpich', 'slurm' or 'single'."""
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank among the processes on this node."""
+    local_world_size: int
+    """Number of processes on this node."""
+    master_addr: str | None = None
+    """Rendezvous address from MASTER_ADDR, if the launcher set one."""
+    master_port: int | None = None
+    """Rendezvous port from MASTER_PORT, if set."""
+
+    @property
+    def is_mpi(self) -> bool:
+        return self.launcher in ("openmpi", "mvapich", "mpich")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# launcher -> (rank, world size, local rank, local world size) variable names; None = not provided.
+_SOURCES: tuple[tuple[str, tuple[str, str, str | None, str | None]], ...] = (
+    ("torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")),
+    ("openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")),
+    ("mvapich", ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE")),
+    ("mpich", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+    ("slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")),
+)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(name, raw, "a non-negative integer (set by the launcher)") from None
+    if value < 0:
+        raise ConfigError(name, raw, "a non-negative integer (set by the launcher)")
+    return value
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> int | None:
+    # SLURM_TASKS_PER_NODE looks like "2(x3),1": this node's count is not knowable without the node
+    # index, so prefer SLURM_NTASKS_PER_NODE when uniform, else SLURM_STEP_TASKS_PER_NODE per SLURM_NODEID.
+    for name in ("SLURM_NTASKS_PER_NODE",):
+        if name in env and env[name].strip().isdigit():
+            return int(env[name])
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if spec is None:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "(x" in part:
+            n, rep = part.rstrip(")").split("(x")
+            counts += [int(n)] * int(rep)
+        elif part.isdigit():
+            counts.append(int(part))
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else None
+
+
+def discover_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Rank, world size, local rank/size and launcher name from ``env`` (default: the process's)."""
+    env = environ() if env is None else env
+    for launcher, (r, w, lr, lw) in _SOURCES:
+        if r not in env or w not in env:
+            continue
+        rank, world = _int(env, r), _int(env, w)
+        if world < 1 or rank >= world:
+            raise ConfigError(r, env[r], f"a rank below {w}={env[w]}")
+        local_rank = _int(env, lr) if lr and lr in env else (rank if world == 1 else 0)
+        if launcher == "slurm":
+            local_world = _slurm_local_size(env)
+        else:
+            local_world = _int(env, lw) if lw and lw in env else None
+        if local_world is None:
+            local_world = world if launcher != "slurm" or world == 1 else max(local_rank + 1, 1)
+        if local_rank >= local_world:
+            raise ConfigError(lr or r, env.get(lr or r), f"a local rank below the local world size {local_world}")
+        port = env.get("MASTER_PORT")
+        return LaunchInfo(
+            launcher=launcher,
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            local_world_size=local_world,
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=int(port) if port and port.isdigit() else None,
+        )
+    return LaunchInfo(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                      master_addr=env.get("MASTER_ADDR") or None,
+                      master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else None)
+
+
+def import_mpi4py():
+    """mpi4py's MPI module, or an ImportError that says how to install it."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 - optional dependency, imported lazily
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "memrt's MPI support needs mpi4py and an MPI library: pip install \"memrt[mpi]\" mpich "
+            f"(or use a system MPI such as Open MPI) — {exc}"
+        ) from exc
+    return MPI
+
+
+def _routable_address() -> str:
+    """This host's address as peers would reach it (no traffic is sent)."""
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        addr = "127.0.0.1"
+    return addr
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr if addr != "0.0.0.0" else "", 0))
+        return s.getsockname()[1]
+
+
+def mpi_rendezvous(addr: str | None = None) -> str:
+    """An ``init_method`` URL for torch.distributed agreed over MPI: rank 0's address and a free port.
+
+    Every rank of the MPI job must call it (it is a collective over COMM_WORLD).
+    """
+    MPI = import_mpi4py()
+    comm = MPI.COMM_WORLD
+    url = None
+    if comm.Get_rank() == 0:
+        host = addr or _routable_address()
+        url = f"tcp://{host}:{_free_port(host)}"
+    return comm.bcast(url, root=0)

@@ -1,0 +1,1 @@
+"""memrt.profiling: memory timelines, comm stats, traces, reports."""

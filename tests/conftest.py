@@ -1,0 +1,40 @@
+"""Shared fixtures and markers: gpu tests skip without CUDA, root tests without root, mpi without mpiexec."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from memrt.testing import venv_bin
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    is_root = os.geteuid() == 0
+    has_mpi = venv_bin("mpiexec") is not None
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        has_mpi = False
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "root" in item.keywords and not is_root:
+            item.add_marker(pytest.mark.skip(reason="needs root (network namespaces / cgroups)"))
+        if "mpi" in item.keywords and not has_mpi:
+            item.add_marker(pytest.mark.skip(reason="needs mpiexec and mpi4py: pip install mpi4py mpich"))
+
+
+@pytest.fixture
+def emulated_cluster():
+    """A two-namespace cluster at 1 Gbit/s (tests using it carry the root marker)."""
+    from memrt.cluster import EmulatedCluster, can_emulate
+
+    ok, why = can_emulate()
+    if not ok:
+        pytest.skip(why)
+    with EmulatedCluster("1gbit") as cluster:
+        yield cluster
