@@ -3,6 +3,12 @@
 Everything that measures (memory planner, offload engine, collectives) hands its records here;
 :meth:`Recorder.write` puts them in one JSON file per rank that ``memrt report`` merges.
 Recording is cheap (appending small dataclasses); it never synchronizes a device by itself.
+
+Timing modes (see docs/sections/profiling.md): by default a collective on a CUDA tensor is timed with
+a pair of CUDA events whose elapsed time is read lazily (when the events have completed, or once at
+:meth:`Recorder.write`), so logging adds no device synchronize per call. ``exact_timing=True``
+(:meth:`Recorder.configure`) synchronizes the device before and after each timed call instead: wall
+times then include the queue wait, at the cost of serializing the host with the device.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 __all__ = ["CommRecord", "MemoryEvent", "TraceEvent", "Recorder", "get_recorder"]
 
 SCHEMA_VERSION = 1
+_RESOLVE_EVERY = 64
+"""Try to resolve pending CUDA-event timings after this many new pending records (non-blocking)."""
 
 
 @dataclass(slots=True)
@@ -42,6 +50,8 @@ class CommRecord:
     """Cost model prediction, when one was made."""
     start: float = 0.0
     """time.perf_counter() at the call's start (for traces)."""
+    redop: str = ""
+    """Reduction (sum, avg, max, ...) for reducing collectives; empty otherwise (nccl-tests 'redop')."""
 
 
 @dataclass(slots=True)
@@ -75,7 +85,13 @@ class Recorder:
 
     def __init__(self) -> None:
         self.enabled = True
+        """False: every record_* call returns at once (profiling off)."""
+        self.exact_timing = False
+        """True: timed collectives synchronize the device before and after the call (see module doc)."""
         self.t0 = time.perf_counter()
+        self.t0_unix = time.time()
+        """Wall clock (seconds since the epoch) at ``t0``: aligns ranks' timelines in a merged report."""
+        self._pending: list[tuple[CommRecord, Any, Any]] = []
         self.comm: list[CommRecord] = []
         self.memory: list[MemoryEvent] = []
         self.trace: list[TraceEvent] = []
@@ -100,7 +116,54 @@ class Recorder:
                 self.trace.append(TraceEvent(name, (start - self.t0) * 1e6, (end - start) * 1e6,
                                              tid if tid is not None else threading.get_ident() % 100000, args=args))
 
-    def add_plan(self, plan: dict[str, Any]) -> None:
+    def record_comm_pending(self, record: CommRecord, start_event: Any, end_event: Any) -> None:
+        """Record ``record`` whose ``seconds`` is the elapsed time between two CUDA events, read later.
+
+        Nothing waits here: completed pairs are resolved every few calls with ``Event.query()`` and the
+        rest once in :meth:`write` (or :meth:`resolve_pending`).
+        """
+        if not self.enabled:
+            return
+        with self._lock:
+            self.comm.append(record)
+            self._pending.append((record, start_event, end_event))
+            n = len(self._pending)
+        if n % _RESOLVE_EVERY == 0:
+            self.resolve_pending(block=False)
+
+    def resolve_pending(self, *, block: bool = True) -> int:
+        """Fill ``seconds`` of records timed by CUDA events; ``block`` waits for unfinished ones.
+
+        Returns how many records remain pending.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, []
+        left = []
+        for record, start_ev, end_ev in pending:
+            if not block and not end_ev.query():
+                left.append((record, start_ev, end_ev))
+                continue
+            end_ev.synchronize()
+            record.seconds = start_ev.elapsed_time(end_ev) / 1e3  # elapsed_time is in milliseconds
+        with self._lock:
+            self._pending[:0] = left
+            return len(self._pending)
+
+    def configure(self, *, enabled: bool | None = None, exact_timing: bool | None = None) -> None:
+        """Switch recording on/off and choose the timing mode (None leaves a setting unchanged)."""
+        if enabled is not None:
+            self.enabled = bool(enabled)
+        if exact_timing is not None:
+            self.exact_timing = bool(exact_timing)
+
+    def add_plan(self, plan: Any) -> None:
+        """Store a plan: a dict, a JSON string, or an object with ``to_json()`` / ``to_dict()``."""
+        if hasattr(plan, "to_dict"):
+            plan = plan.to_dict()
+        elif hasattr(plan, "to_json"):
+            plan = plan.to_json()
+        if isinstance(plan, (str, bytes)):
+            plan = json.loads(plan)
         with self._lock:
             self.plans.append(plan)
 
@@ -109,11 +172,14 @@ class Recorder:
             self.meta.update(kv)
 
     def to_dict(self, rank: int) -> dict[str, Any]:
+        if self._pending:
+            self.resolve_pending(block=True)
         with self._lock:
             return {
                 "schema": SCHEMA_VERSION,
                 "rank": rank,
                 "pid": os.getpid(),
+                "t0_unix": self.t0_unix,
                 "meta": dict(self.meta),
                 "plans": list(self.plans),
                 "memory": [asdict(e) for e in self.memory],
@@ -134,6 +200,9 @@ class Recorder:
     def clear(self) -> None:
         with self._lock:
             self.comm.clear(); self.memory.clear(); self.trace.clear(); self.plans.clear(); self.meta.clear()
+            self._pending.clear()
+            self.t0 = time.perf_counter()
+            self.t0_unix = time.time()
 
 
 _RECORDER = Recorder()

@@ -1,0 +1,219 @@
+"""The alpha-beta(-gamma) cost model of memrt.comm's collectives.
+
+A message of ``n`` bytes over one link costs ``alpha + n * beta`` (Hockney's model); reducing ``n``
+bytes locally costs ``n * gamma``. Collective costs below follow R. Thakur, R. Rabenseifner and
+W. Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 19(1), 2005), and
+P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations"
+(JPDC 69(2), 2009) for the ring. ``p`` is the number of ranks, ``n`` the bytes of the user's tensor.
+
+Per tier we keep two betas: ``beta`` for one flow alone on the link, and ``shared_beta`` for the
+per-flow cost when every local rank crosses the tier at once (hierarchical's inter phase: the
+local ranks of a node share that node's link). Links are measured by :mod:`memrt.comm.probe`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "TierLink",
+    "LinkModel",
+    "ring_all_reduce",
+    "recursive_doubling_all_reduce",
+    "rabenseifner_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "flat_all_reduce",
+    "hierarchical_all_reduce",
+    "compressed_ratio",
+    "default_link_model",
+]
+
+# Bytes on the wire per input byte of float32 for each codec (int8 adds one float32 scale per chunk).
+_CODEC_BYTES_PER_FP32_BYTE = {"none": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.25}
+
+
+@dataclass(kw_only=True, slots=True)
+class TierLink:
+    """Measured figures of one tier (intra-node or inter-node)."""
+
+    alpha_s: float
+    """Latency per message, seconds."""
+    beta_s_per_byte: float
+    """Transfer time per byte for one flow alone on the link, seconds/byte (1 / bandwidth)."""
+    shared_beta_s_per_byte: float | None = None
+    """Per-flow seconds/byte when all local ranks cross this tier at once; None = same as beta."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_s", "beta_s_per_byte"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"TierLink.{name}={v!r} is not valid: expected a finite number >= 0")
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """One flow's bandwidth, bytes/second."""
+        return 1.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else math.inf
+
+    def beta(self, shared: bool) -> float:
+        if shared and self.shared_beta_s_per_byte is not None:
+            return self.shared_beta_s_per_byte
+        return self.beta_s_per_byte
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkModel:
+    """Fitted link figures per tier plus local compute rates: what :func:`choose` predicts with."""
+
+    intra: TierLink
+    """Links between ranks of one node."""
+    inter: TierLink | None = None
+    """Links between nodes; None on a single node."""
+    gamma_s_per_byte: float = 0.0
+    """Local reduction (sum) time per byte, seconds/byte."""
+    codec_s_per_byte: dict[str, float] = field(default_factory=dict)
+    """Encode + decode time per input byte of each codec (bf16, fp16, int8), seconds/byte."""
+    topology_key: str = ""
+    """Key of the topology this was measured on (the probe cache's file name)."""
+    measured_at: str = ""
+    """UTC time of the probe, ISO 8601."""
+    probe_seconds: float = 0.0
+    """How long the probe took, seconds."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LinkModel":
+        d: dict[str, Any] = json.loads(text)
+        d["intra"] = TierLink(**d["intra"])
+        d["inter"] = TierLink(**d["inter"]) if d.get("inter") else None
+        return cls(**d)
+
+    def tier(self, name: str) -> TierLink:
+        if name == "inter":
+            return self.inter if self.inter is not None else self.intra
+        return self.intra
+
+
+def default_link_model() -> LinkModel:
+    """Conservative figures used before a probe ran: 10 GB/s intra, 1 Gbit/s inter (documented guesses)."""
+    return LinkModel(intra=TierLink(alpha_s=30e-6, beta_s_per_byte=1 / 10e9),
+                     inter=TierLink(alpha_s=100e-6, beta_s_per_byte=1 / 125e6, shared_beta_s_per_byte=2 / 125e6),
+                     gamma_s_per_byte=1 / 4e9,
+                     codec_s_per_byte={"bf16": 1 / 2e9, "fp16": 1 / 2e9, "int8": 1 / 1e9})
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks. Each returns seconds.
+
+
+def ring_reduce_scatter(p: int, n: float, link: TierLink, gamma: float, *, shared: bool = False) -> float:
+    """Ring reduce-scatter: (p-1) steps of n/p bytes, each followed by a reduction of n/p bytes.
+
+    T = (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma   (Thakur et al. 2005, sec. 4; Patarasuk & Yuan 2009)
+    """
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.alpha_s + (p - 1) / p * n * (link.beta(shared) + gamma)
+
+
+def ring_all_gather(p: int, n: float, link: TierLink, *, shared: bool = False) -> float:
+    """Ring all-gather of n bytes in total: T = (p-1) alpha + (p-1)/p n beta  (Thakur et al. 2005, sec. 4.1)."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.alpha_s + (p - 1) / p * n * link.beta(shared)
+
+
+def ring_all_reduce(p: int, n: float, link: TierLink, gamma: float, *, shared: bool = False) -> float:
+    """Ring all-reduce = reduce-scatter + all-gather:
+
+    T = 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma   (Patarasuk & Yuan 2009, bandwidth optimal)
+    """
+    return ring_reduce_scatter(p, n, link, gamma, shared=shared) + ring_all_gather(p, n, link, shared=shared)
+
+
+def recursive_doubling_all_reduce(p: int, n: float, link: TierLink, gamma: float, *, shared: bool = False) -> float:
+    """Recursive doubling: log2(p) rounds exchanging the whole vector.
+
+    T = ceil(log2 p) (alpha + n beta + n gamma)   (Thakur et al. 2005, sec. 4.4; latency optimal, for small n)
+    """
+    if p <= 1:
+        return 0.0
+    return math.ceil(math.log2(p)) * (link.alpha_s + n * (link.beta(shared) + gamma))
+
+
+def rabenseifner_all_reduce(p: int, n: float, link: TierLink, gamma: float, *, shared: bool = False) -> float:
+    """Rabenseifner: reduce-scatter by recursive halving, then all-gather by recursive doubling.
+
+    T = 2 log2(p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma   (Rabenseifner 2004; Thakur et al. 2005, sec. 4.4)
+    """
+    if p <= 1:
+        return 0.0
+    lg = math.ceil(math.log2(p))
+    return 2 * lg * link.alpha_s + (p - 1) / p * n * (2 * link.beta(shared) + gamma)
+
+
+def compressed_ratio(codec: str, element_size: int = 4) -> float:
+    """Wire bytes per input byte of a codec for elements of ``element_size`` bytes."""
+    if codec not in _CODEC_BYTES_PER_FP32_BYTE:
+        raise ValueError(f"codec={codec!r} is not valid: expected one of {', '.join(_CODEC_BYTES_PER_FP32_BYTE)}")
+    if codec == "none":
+        return 1.0
+    wire_element = {"bf16": 2, "fp16": 2, "int8": 1}[codec]
+    return min(1.0, wire_element / element_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# What memrt.comm runs.
+
+
+def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel) -> float:
+    """torch.distributed's (gloo's) ring over all ranks, ordered by rank.
+
+    Each ring step waits for its slowest edge; with ranks grouped by node, the slowest edge crosses
+    nodes, one flow per direction (so ``beta`` alone, not ``shared_beta``).
+    """
+    p = sum(len(n_) for n_ in nodes)
+    link = model.intra if len(nodes) <= 1 or model.inter is None else _slowest(model.intra, model.inter)
+    return ring_all_reduce(p, n, link, model.gamma_s_per_byte)
+
+
+def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel, *,
+                            codec: str = "none", element_size: int = 4) -> float:
+    """Intra-node reduce-scatter -> inter-node all-reduce of the shard -> intra-node all-gather.
+
+    With l ranks per node and m nodes (the largest node sets the pace):
+      T = RS_ring(l, n, intra) + AR_inter(m, n/l) + AG_ring(l, n, intra)
+    The l local ranks run their inter all-reduces at once and share the node's link (``shared_beta``).
+    With a codec the inter shard travels compressed (``compressed_ratio``) and pays encode/decode:
+    for m = 2 an all-gather of the compressed shard (each rank receives (m-1) n/l c bytes), else a
+    compressed reduce-scatter + all-gather (2 (m-1)/m n/l c bytes).
+    """
+    m = len(nodes)
+    l_ranks = max(len(x) for x in nodes)
+    gamma = model.gamma_s_per_byte
+    t = ring_reduce_scatter(l_ranks, n, model.intra, gamma) + ring_all_gather(l_ranks, n, model.intra)
+    if m <= 1:
+        return t
+    inter = model.tier("inter")
+    shared = l_ranks > 1
+    shard = n / l_ranks
+    if codec == "none":
+        return t + ring_all_reduce(m, shard, inter, gamma, shared=shared)
+    wire = shard * compressed_ratio(codec, element_size)
+    codec_cost = model.codec_s_per_byte.get(codec, 0.0)
+    if m == 2:
+        comm = inter.alpha_s + (m - 1) * wire * inter.beta(shared)
+        work = shard * codec_cost + (m - 1) * shard * gamma
+    else:
+        comm = 2 * (m - 1) * inter.alpha_s + 2 * (m - 1) / m * wire * inter.beta(shared)
+        work = 2 * shard * codec_cost + (m - 1) / m * shard * gamma
+    return t + comm + work
+
+
+def _slowest(a: TierLink, b: TierLink) -> TierLink:
+    return TierLink(alpha_s=max(a.alpha_s, b.alpha_s), beta_s_per_byte=max(a.beta_s_per_byte, b.beta_s_per_byte))
