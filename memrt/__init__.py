@@ -23,6 +23,8 @@ _LAZY = {
     "apply": "memrt.memory.apply",
     "Plan": "memrt.memory.planner",
     "Profile": "memrt.memory.profile",
+    "SpeedBalancer": "memrt.balance",
+    "BalancedBatchSampler": "memrt.balance",
 }
 
 __all__ = [

@@ -180,6 +180,7 @@ class Recorder:
                 "rank": rank,
                 "pid": os.getpid(),
                 "t0_unix": self.t0_unix,
+                "t0_perf": self.t0,
                 "meta": dict(self.meta),
                 "plans": list(self.plans),
                 "memory": [asdict(e) for e in self.memory],

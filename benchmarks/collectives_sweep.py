@@ -1,0 +1,287 @@
+"""Collectives sweep in nccl-tests terms: gloo, MPI (mpi4py + MPICH) and memrt per algorithm.
+
+Command (full sweep 1 KiB .. 256 MiB, loopback + emulated cluster at 1 and 10 Gbit/s; root for the
+emulated cluster, which is skipped with a printed reason otherwise; --quick: 1 KiB .. 1 MiB, loopback, < 60 s):
+
+    cd /work/main && .venv/bin/python -m benchmarks.collectives_sweep [--quick] [--nets loopback,1gbit,10gbit]
+        [--impls gloo,mpi,memrt-flat,memrt-hier,memrt-auto] [--ops all_reduce,all_gather,reduce_scatter,broadcast]
+        [--max-size 256MiB] [--out DIR]
+
+4 ranks as 2 nodes x 2 ranks (``MEMRT_TOPOLOGY="0,1;2,3"``), float32. Columns follow nccl-tests
+(doc/PERFORMANCE.md): size = bytes of the full buffer (all_gather: output; reduce_scatter: input),
+time = mean per call over the timed iterations (slowest rank), algbw = size / time,
+busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast).
+On the emulated cluster, ``bound`` is the link bound: the bytes that must cross the inter-node cut in
+each direction divided by the link rate (all_reduce: size; all_gather: size/2; reduce_scatter: size/2;
+broadcast: size), and ``%bound`` = bound / time. Ratios are against ``gloo`` measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from benchmarks._common import (base_parser, fmt_ratio, launch_ranks, machine_info, machine_line, print_table,
+                                result_lines, save_plot, skip_line, write_json)
+
+__all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR"]
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+IMPLS = ("gloo", "mpi", "memrt-flat", "memrt-hier", "memrt-auto")
+NODES = ((0, 1), (2, 3))
+
+
+def BUS_FACTOR(op: str, n: int) -> float:
+    """nccl-tests busbw factor (doc/PERFORMANCE.md)."""
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0}[op]
+
+
+CROSS_BYTES_FACTOR = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}
+"""Bytes each direction of the 2-node cut must carry, per byte of ``size`` (two equal nodes)."""
+
+
+def _parse_size(s: str) -> int:
+    from memrt.config import parse_size
+
+    return parse_size("--max-size", s)
+
+
+def _sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 4
+    return out
+
+
+# ---------------------------------------------------------------- worker (one rank) ----
+def _iters(size: int, quick: bool) -> tuple[int, int]:
+    if quick:
+        return 1, 3
+    return (1, 3) if size >= 16 * 2**20 else (2, 10) if size >= 2**20 else (5, 30)
+
+
+def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> None:
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    if impl == "gloo":
+        import torch.distributed as dist
+    else:
+        import memrt.comm as dist
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for op in ops:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            big = torch.ones(numel)
+            small = torch.ones(numel // n)
+            call = {"all_reduce": lambda: dist.all_reduce(big),
+                    "all_gather": lambda: dist.all_gather_into_tensor(big, small),
+                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big),
+                    "broadcast": lambda: dist.broadcast(big, src=0)}[op]
+            warm, iters = _iters(size, quick)
+            for _ in range(warm):
+                call()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+            tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)  # timing itself: plain torch.distributed
+            rows.append({"op": op, "size": numel * 4, "time_s": float(elapsed), "iters": iters})
+    if rank == 0:
+        print("RESULT " + json.dumps({"impl": impl, "world": n, "rows": rows}), flush=True)
+    dist.destroy_process_group()
+
+
+def _mpi_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    rows = []
+    for op in ops:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            big = np.ones(numel, dtype=np.float32)
+            small = np.ones(numel // n, dtype=np.float32)
+            call = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, big, op=MPI.SUM),
+                    "all_gather": lambda: comm.Allgather(small, big),
+                    "reduce_scatter": lambda: comm.Reduce_scatter_block(big, small, op=MPI.SUM),
+                    "broadcast": lambda: comm.Bcast(big, root=0)}[op]
+            warm, iters = _iters(size, quick)
+            for _ in range(warm):
+                call()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            t = comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
+            rows.append({"op": op, "size": numel * 4, "time_s": t, "iters": iters})
+    if rank == 0:
+        print("RESULT " + json.dumps({"impl": "mpi", "world": n, "rows": rows}), flush=True)
+
+
+# ---------------------------------------------------------------- driver ----
+def _run_impl(impl: str, net: str, cluster: Any, ops: list[str], sizes: list[int], quick: bool) -> dict | None:
+    base = ["python", "-m", "benchmarks.collectives_sweep", "--worker", impl, "--ops", ",".join(ops),
+            "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else [])
+    if impl == "mpi":
+        from memrt.testing import run_mpi
+
+        if cluster is not None:
+            skip_line(f"mpi@{net}", "placing MPICH's ranks in the emulated cluster's namespaces (hydra launcher "
+                      "inside netns) is not wired up; MPI is measured on loopback only")
+            return None
+        try:
+            import mpi4py  # noqa: F401
+            proc = run_mpi(base, 4, timeout=900)
+        except (ImportError, FileNotFoundError) as exc:
+            skip_line(f"mpi@{net}", f"{exc} (pip install mpi4py mpich)")
+            return None
+        if proc.returncode != 0:
+            skip_line(f"mpi@{net}", f"mpiexec failed: {proc.stderr.strip()[-400:]}")
+            return None
+        outs = [(0, proc.stdout, proc.stderr)]
+    else:
+        env = {"MEMRT_TOPOLOGY": "0,1;2,3"}
+        if impl.startswith("memrt-"):
+            env["MEMRT_COMM"] = impl.split("-", 1)[1]
+        outs = launch_ranks(base, nodes=NODES, cluster=cluster, env=env, timeout_s=1800)
+    try:
+        return result_lines(outs)[0]
+    except (RuntimeError, IndexError) as exc:
+        skip_line(f"{impl}@{net}", f"failed: {exc}")
+        return None
+
+
+def _memrt_available() -> str | None:
+    try:
+        import memrt.comm as mc
+
+        mc.init_process_group  # noqa: B018
+        return None
+    except Exception as exc:  # a half-landed feature: say so, measure the rest
+        return f"memrt.comm not importable: {exc}"
+
+
+def run_net(net: str, impls: list[str], ops: list[str], sizes: list[int], quick: bool) -> dict[str, Any]:
+    from contextlib import nullcontext
+
+    from memrt.cluster import EmulatedCluster, can_emulate
+
+    if net != "loopback":
+        ok, why = can_emulate()
+        if not ok:
+            return {"net": net, "skipped": skip_line(f"net {net}", why)}
+    ctx = EmulatedCluster(net) if net != "loopback" else nullcontext()
+    results: dict[str, Any] = {}
+    rate_bps = None
+    with ctx as cluster:
+        if cluster is not None:
+            rate_bps = cluster.rate_bps
+            print(f"# {net}: measured TCP rate node1->node0 {cluster.measure_rate(1.0) / 1e9:.2f} Gbit/s", flush=True)
+        why = _memrt_available()
+        for impl in impls:
+            if impl.startswith("memrt") and why:
+                skip_line(impl, why)
+                continue
+            print(f"running {impl} on {net} ...", flush=True)
+            r = _run_impl(impl, net, cluster, ops, sizes, quick)
+            if r:
+                results[impl] = r
+    return {"net": net, "rate_bps": rate_bps, "results": results}
+
+
+def _table(res: dict[str, Any], op: str) -> list[list[str]]:
+    n = 4
+    by = {impl: {row["size"]: row for row in r["rows"] if row["op"] == op} for impl, r in res["results"].items()}
+    gloo = by.get("gloo", {})
+    sizes = sorted({s for d in by.values() for s in d})
+    out = []
+    for impl, rows in by.items():
+        for s in sizes:
+            row = rows.get(s)
+            if row is None:
+                continue
+            t = row["time_s"]
+            algbw = s / t / 1e9
+            bound = (CROSS_BYTES_FACTOR[op] * s * 8 / res["rate_bps"]) if res["rate_bps"] else None
+            row.update(algbw_GBps=algbw, busbw_GBps=algbw * BUS_FACTOR(op, n), bound_s=bound,
+                       vs_gloo=(gloo[s]["time_s"] / t) if s in gloo else None)
+            out.append([impl, f"{s}", f"{s // 4}", "float", f"{t * 1e6:.1f}", f"{algbw:.3f}",
+                        f"{row['busbw_GBps']:.3f}", f"{bound * 1e6:.0f}" if bound else "-",
+                        f"{100 * bound / t:.0f}%" if bound else "-", fmt_ratio(row["vs_gloo"])])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__)
+    p.add_argument("--worker", default=None, help=argparse_hidden())
+    p.add_argument("--sizes", default=None, help=argparse_hidden())
+    p.add_argument("--nets", default=None, help="loopback,1gbit,10gbit (quick: loopback)")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--max-size", default=None, help="largest size (default 256MiB; quick 1MiB)")
+    args = p.parse_args(argv)
+    ops = args.ops.split(",")
+    if args.worker:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        if args.worker == "mpi":
+            _mpi_worker(ops, sizes, args.quick)
+        else:
+            _torch_worker(args.worker, ops, sizes, args.quick)
+        return 0
+    info = machine_info()
+    print(machine_line(info), flush=True)
+    max_size = _parse_size(args.max_size or ("1MiB" if args.quick else "256MiB"))
+    sizes = _sizes(1024, max_size)
+    nets = (args.nets or ("loopback" if args.quick else "loopback,1gbit,10gbit")).split(",")
+    out = []
+    for net in nets:
+        res = run_net(net, args.impls.split(","), ops, sizes, args.quick)
+        out.append(res)
+        if "results" not in res:
+            continue
+        for op in ops:
+            print_table(["impl", "size (B)", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
+                         "bound (us)", "%bound", "vs gloo"], _table(res, op),
+                        title=f"{op} | {net} | 4 ranks = 2 nodes x 2 | same run, ratio = gloo time / impl time")
+    write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out})
+    save_plot(args.out, "collectives_sweep", _plot(out, ops))
+    return 0
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def _plot(nets: list[dict], ops: list[str]):
+    def draw(plt):
+        shown = [n for n in nets if "results" in n]
+        for i, net in enumerate(shown):
+            for j, op in enumerate(ops):
+                ax = plt.subplot(len(shown), len(ops), i * len(ops) + j + 1)
+                for impl, r in net["results"].items():
+                    rows = [x for x in r["rows"] if x["op"] == op]
+                    ax.loglog([x["size"] for x in rows], [x["size"] / x["time_s"] / 1e9 for x in rows],
+                              marker=".", label=impl)
+                ax.set_title(f"{op} {net['net']}", fontsize=7)
+                ax.tick_params(labelsize=6)
+                if i == 0 and j == 0:
+                    ax.legend(fontsize=5)
+                    ax.set_ylabel("algbw GB/s", fontsize=7)
+    return draw
+
+
+if __name__ == "__main__":
+    sys.exit(main())

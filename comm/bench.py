@@ -1,0 +1,186 @@
+"""``memrt bench comm``: probe the links, then time each all-reduce algorithm against its prediction.
+
+Run it under a launcher (``torchrun --nproc-per-node 2 -m memrt bench comm``, ``mpiexec -n 4 memrt
+bench comm``) or alone, which spawns ``--local N`` processes on this machine (gloo on loopback,
+``MEMRT_TOPOLOGY`` from ``--topology``). The probe always runs afresh here and refreshes the cache
+that later jobs load. :func:`measure` is the worker, shared with ``benchmarks/comm_compress.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+__all__ = ["add_arguments", "run", "measure", "timed"]
+
+ALGORITHMS = ("flat", "hier", "hier+bf16", "hier+int8")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", nargs="?", default="comm", choices=["comm"], help="what to benchmark (comm)")
+    p.add_argument("--sizes", default="1MiB,16MiB,64MiB", help="all-reduce sizes (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per size and algorithm (median)")
+    p.add_argument("--local", type=int, default=4, help="processes to spawn when not under a launcher")
+    p.add_argument("--topology", default="0,1;2,3", help="MEMRT_TOPOLOGY for --local runs (default: %(default)s)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+
+
+def timed(fn, reps: int, *, warmup: int = 1) -> float:
+    """Median over ``reps`` of the slowest rank's time of ``fn()`` between barriers (collective)."""
+    import torch
+    import torch.distributed as tdist
+
+    times = []
+    for i in range(warmup + reps):
+        tdist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        tdist.all_reduce(dt, op=tdist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(dt.item())
+    return statistics.median(times)
+
+
+def _use(comm: str, compress: str = "none") -> None:
+    """Force memrt.comm's algorithm for the next calls (same on every rank)."""
+    from memrt.comm import api
+    from memrt.config import load_config
+
+    api._st.config = load_config(warn_unknown=False, comm=comm, compress=compress)
+
+
+def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORITHMS, baseline: bool = True,
+            sweep: list[int] | None = None, fusion: bool = False, force_probe: bool = False) -> dict[str, Any]:
+    """Collective over an initialized memrt.comm job; returns the same dict on every rank."""
+    import torch
+    import torch.distributed as tdist
+
+    import memrt.comm as dist
+    from memrt.comm import probe, select
+    from memrt.profiling.recorder import get_recorder
+
+    topo = dist.get_topology()
+    t0 = time.perf_counter()
+    model, probed = probe.ensure_link_model(topo.nodes, topo.device_kinds, force=force_probe)
+    out: dict[str, Any] = {"nodes": [list(n) for n in topo.nodes], "probe_seconds": time.perf_counter() - t0,
+                           "probed": probed, "links": json.loads(model.to_json()), "sizes": {}}
+    multi = topo.hierarchical_useful
+    algos = [a for a in algorithms if multi or a == "flat"]
+    get_recorder().clear()
+    for n in sizes:
+        x = torch.randn(n // 4, generator=torch.Generator().manual_seed(topo.rank))
+        row: dict[str, Any] = {}
+        if baseline:
+            row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), reps)}
+        for a in algos:
+            _use("flat" if a == "flat" else "hier", a.split("+", 1)[1] if "+" in a else "none")
+            row[a] = {"measured": timed(lambda: dist.all_reduce(x), reps),
+                      "predicted": select.predict(a, n, topo.nodes, model)}
+        _use("auto")
+        d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
+        row["auto"] = {"algorithm": d.algorithm, "reason": d.reason}
+        out["sizes"][str(n)] = row
+    if sweep and multi:
+        rows = []
+        for n in sweep:
+            x = torch.randn(max(1, n // 4))
+            meas = {}
+            for a in ("flat", "hier"):
+                _use(a)
+                meas[a] = timed(lambda: dist.all_reduce(x), reps)
+            _use("auto")
+            d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
+            rows.append({"bytes": n, "measured": meas, "chosen": d.algorithm, "predicted": d.candidates,
+                         "fastest": min(meas, key=meas.get)})
+        out["sweep"] = rows
+    if fusion:
+        _use("auto")
+        ts = [torch.randn(4096) for _ in range(256)]  # 256 tensors of 16 KiB
+        out["fusion"] = {
+            "separate_gloo": timed(lambda: [tdist.all_reduce(t) for t in ts], reps),
+            "all_reduce_coalesced": timed(lambda: dist.all_reduce_coalesced(ts), reps),
+            "auto_coalesced_async": timed(lambda: [w.wait() for w in [dist.all_reduce(t, async_op=True) for t in ts]],
+                                          reps),
+        }
+    _use("auto")
+    out["explain"] = dist.explain()
+    return out
+
+
+def api_config():
+    from memrt.comm import api
+
+    return api._st.config
+
+
+def _fmt(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def report(res: dict[str, Any]) -> str:
+    """Human-readable tables of :func:`measure`'s result."""
+    lines = [f"nodes {res['nodes']}; probe {'ran' if res['probed'] else 'loaded from cache'} "
+             f"({res['probe_seconds']:.2f} s)"]
+    links = res["links"]
+    for tier in ("intra", "inter"):
+        t = links.get(tier)
+        if t:
+            shared = t.get("shared_beta_s_per_byte")
+            lines.append(f"  {tier}: alpha {t['alpha_s'] * 1e6:.0f} us, {1 / max(t['beta_s_per_byte'], 1e-15) / 1e6:.0f} MB/s"
+                         + (f" ({1 / max(shared, 1e-15) / 1e6:.0f} MB/s per flow when shared)" if shared else ""))
+    lines.append("size       algorithm   measured    predicted  pred/meas  vs gloo")
+    for n, row in res["sizes"].items():
+        base = row.get("gloo", {}).get("measured")
+        for a, v in row.items():
+            if a == "auto":
+                continue
+            pred = v.get("predicted")
+            lines.append(f"{int(n) / 2**20:6.2f}MiB  {a:10s}  {_fmt(v['measured']):>10s}  "
+                         f"{_fmt(pred) if pred else '-':>10s}  {pred / v['measured'] if pred else float('nan'):9.2f}  "
+                         f"{base / v['measured'] if base else float('nan'):6.2f}x")
+        lines.append(f"           auto -> {row['auto']['algorithm']}: {row['auto']['reason']}")
+    return "\n".join(lines)
+
+
+def _local_worker(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, Any]:
+    import torch.distributed as tdist
+
+    from memrt.comm import api
+
+    api.setup_topology(health=False)
+    try:
+        return measure(sizes=sizes, reps=reps, force_probe=True)
+    finally:
+        tdist.barrier()
+
+
+def run(args: argparse.Namespace) -> int:
+    from memrt.config import parse_size
+    from memrt.launcher import discover_launch
+
+    sizes = [parse_size("--sizes", s) for s in args.sizes.split(",") if s.strip()]
+    info = discover_launch()
+    if info.world_size > 1:
+        import memrt.comm as dist
+
+        dist.init_process_group()
+        res = measure(sizes=sizes, reps=args.reps, force_probe=True)
+        if dist.get_rank() == 0:
+            print(report(res))
+            print(res["explain"])
+        dist.destroy_process_group()
+    else:
+        from memrt.testing import run_processes
+
+        res = run_processes(_local_worker, args.local, sizes, args.reps, env={"MEMRT_TOPOLOGY": args.topology},
+                            timeout=600)[0]
+        print(report(res))
+        print(res["explain"])
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -1,0 +1,125 @@
+"""``memrt.comm.explain()``: what each kind of call ran, how long it was predicted and measured to take.
+
+One row per (op, size bucket, algorithm): calls, bytes sent per tier, predicted and measured mean
+time, algorithm bandwidth and bus bandwidth as nccl-tests defines them (NVIDIA nccl-tests,
+``doc/PERFORMANCE.md``): ``algbw = size / time`` and ``busbw = algbw * factor`` with factor
+``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter, ``1`` for broadcast and
+reduce, where ``size`` is the user's tensor bytes (the ``nbytes`` of a ``CommRecord``) and ``n`` the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+__all__ = ["ExplainRow", "explain", "explain_rows", "busbw_factor", "size_bucket"]
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor for ``op`` on ``n`` ranks (doc/PERFORMANCE.md)."""
+    if n <= 1:
+        return 1.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        return (n - 1) / n
+    return 1.0
+
+
+def size_bucket(nbytes: int) -> int:
+    """The power of two at or above ``nbytes`` (rows group calls of similar size)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, nbytes))))
+
+
+@dataclass(kw_only=True, slots=True)
+class ExplainRow:
+    op: str
+    """Collective name."""
+    size_bucket_bytes: int
+    """Calls with nbytes in (bucket/2, bucket]."""
+    algorithm: str
+    """What ran: flat, hier, hier+int8, ..."""
+    calls: int
+    """Number of calls."""
+    bytes_total: int
+    """Sum of the calls' tensor bytes."""
+    tier_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank sent per tier, summed over the calls."""
+    predicted_seconds: float | None = None
+    """Mean predicted time per call, seconds (None when no prediction was made)."""
+    measured_seconds: float = 0.0
+    """Mean measured time per call, seconds."""
+    algbw_bytes_per_s: float = 0.0
+    """Mean tensor bytes per call / mean measured seconds."""
+    busbw_bytes_per_s: float = 0.0
+    """algbw times the op's nccl-tests factor."""
+
+    @property
+    def predicted_over_measured(self) -> float | None:
+        if self.predicted_seconds is None or self.measured_seconds <= 0:
+            return None
+        return self.predicted_seconds / self.measured_seconds
+
+
+def _get(r: Any, name: str, default: Any = None) -> Any:
+    return r.get(name, default) if isinstance(r, dict) else getattr(r, name, default)
+
+
+def explain_rows(records: Iterable[Any]) -> list[ExplainRow]:
+    """Group CommRecords (objects or their JSON dicts) into :class:`ExplainRow`s."""
+    groups: dict[tuple, list[Any]] = {}
+    for r in records:
+        key = (_get(r, "op"), size_bucket(int(_get(r, "nbytes", 0))), _get(r, "algorithm"))
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for (op, bucket, algo), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        calls = len(rs)
+        total = sum(int(_get(r, "nbytes", 0)) for r in rs)
+        secs = sum(float(_get(r, "seconds", 0.0)) for r in rs) / calls
+        preds = [float(p) for p in (_get(r, "predicted_seconds") for r in rs) if p is not None]
+        tiers: dict[str, int] = {}
+        for r in rs:
+            for t, b in (_get(r, "tier_bytes") or {}).items():
+                tiers[t] = tiers.get(t, 0) + int(b)
+        n = max(int(_get(r, "group_size", 1)) for r in rs)
+        algbw = (total / calls) / secs if secs > 0 else 0.0
+        rows.append(ExplainRow(op=op, size_bucket_bytes=bucket, algorithm=algo, calls=calls, bytes_total=total,
+                               tier_bytes=tiers, predicted_seconds=sum(preds) / len(preds) if preds else None,
+                               measured_seconds=secs, algbw_bytes_per_s=algbw,
+                               busbw_bytes_per_s=algbw * busbw_factor(op, n)))
+    return rows
+
+
+def _fmt_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def explain(records: Iterable[Any] | None = None, *, as_dict: bool = False) -> str | list[dict[str, Any]]:
+    """A table of this process's collectives (default: the process recorder), or its rows as dicts."""
+    if records is None:
+        from memrt.profiling.recorder import get_recorder
+
+        records = list(get_recorder().comm)
+    rows = explain_rows(records)
+    if as_dict:
+        return [asdict(r) | {"predicted_over_measured": r.predicted_over_measured} for r in rows]
+    head = ("op", "size<=", "algorithm", "calls", "intra sent", "inter sent", "predicted", "measured", "pred/meas",
+            "algbw", "busbw")
+    lines = [head]
+    for r in rows:
+        ratio = r.predicted_over_measured
+        lines.append((r.op, _fmt_size(r.size_bucket_bytes), r.algorithm, str(r.calls),
+                      _fmt_size(r.tier_bytes.get("intra", 0)), _fmt_size(r.tier_bytes.get("inter", 0)),
+                      "-" if r.predicted_seconds is None else f"{r.predicted_seconds * 1e3:.3g} ms",
+                      f"{r.measured_seconds * 1e3:.3g} ms", "-" if ratio is None else f"{ratio:.2f}",
+                      f"{_fmt_size(r.algbw_bytes_per_s)}/s", f"{_fmt_size(r.busbw_bytes_per_s)}/s"))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    out.append("algbw = size / time, busbw = algbw * 2(n-1)/n for all_reduce (nccl-tests doc/PERFORMANCE.md)")
+    return "\n".join(out)

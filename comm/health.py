@@ -1,0 +1,237 @@
+"""No hangs: peer-death detection and a cheap cross-rank check of collective arguments.
+
+Liveness: every rank's :class:`HealthMonitor` thread bumps a counter ``memrt/hb/<rank>`` in the
+rendezvous store once per ``interval_s``. When a collective fails (gloo reports a closed connection
+when a peer dies), :meth:`HealthMonitor.diagnose` waits ``stale_s`` and names the ranks whose counter
+stopped without them reporting a failure of their own: the error says "rank 2 is gone". When a
+collective does not fail but stops progressing (a peer is frozen or its host vanished), the watchdog
+in the same thread notices a stale peer while this rank has been inside a collective for longer than
+``hang_s``, prints the diagnosis and ends the process with exit code 1 (like NCCL's async error handling).
+
+Mismatch check (on by default in debug mode: ``MEMRT_LOG_LEVEL=debug`` or ``TORCH_DISTRIBUTED_DEBUG``
+INFO/DETAIL): before a collective, every rank all-gathers a 12-integer signature (op, dtype, shape)
+over a small gloo group and raises :class:`CollectiveMismatchError` listing the ranks that differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+
+__all__ = ["PeerFailureError", "CollectiveMismatchError", "HealthMonitor", "signature", "check_signatures",
+           "debug_mode"]
+
+logger = logging.getLogger(__name__)
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed or stalled because peer rank(s) died; ``missing`` names them."""
+
+    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with different ops, dtypes or shapes."""
+
+
+def debug_mode() -> bool:
+    """True when MEMRT_LOG_LEVEL=debug or TORCH_DISTRIBUTED_DEBUG is INFO/DETAIL."""
+    from memrt.config import environ, load_config
+
+    try:
+        if load_config(warn_unknown=False).log_level == "debug":
+            return True
+    except Exception:  # noqa: BLE001 - a bad setting is reported elsewhere; do not fail a collective here
+        pass
+    return environ().get("TORCH_DISTRIBUTED_DEBUG", "").upper() in ("INFO", "DETAIL")
+
+
+_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "other")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_SIG_LEN = 12
+
+
+def signature(op: str, tensor: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """[op, dtype, extra, ndim, shape... (up to 8 dims)] as int64 on the CPU."""
+    shape = list(tensor.shape)[:8]
+    dt = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
+    row = [_OPS.index(op) if op in _OPS else len(_OPS), dt, int(extra), tensor.dim()] + shape
+    row += [-1] * (_SIG_LEN - len(row))
+    return torch.tensor(row[:_SIG_LEN], dtype=torch.int64)
+
+
+def _describe(row: list[int]) -> str:
+    op = _OPS[row[0]] if row[0] < len(_OPS) else "?"
+    dt = str(_DTYPES[row[1]]).replace("torch.", "") if row[1] < len(_DTYPES) else "?"
+    shape = [d for d in row[4:4 + row[3]]]
+    return f"{op}({dt}, shape={tuple(shape)}, arg={row[2]})"
+
+
+def check_signatures(op: str, tensor: torch.Tensor, group: Any, *, extra: int = 0) -> None:
+    """Collective over ``group`` (a gloo group): raise if any rank's signature differs from rank 0's."""
+    import torch.distributed as dist
+
+    mine = signature(op, tensor, extra)
+    n = dist.get_world_size(group)
+    out = torch.empty(n * _SIG_LEN, dtype=torch.int64)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=group)
+    rows = out.view(n, _SIG_LEN).tolist()
+    if any(r != rows[0] for r in rows):
+        groups: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            groups.setdefault(_describe(row), []).append(r)
+        detail = "; ".join(f"rank(s) {rs}: {d}" for d, rs in groups.items())
+        raise CollectiveMismatchError(f"collective arguments differ across ranks: {detail}. Every rank must call "
+                                      "the same collective with the same dtype and shape.")
+
+
+class HealthMonitor:
+    """Heartbeats in the rendezvous store, failure diagnosis, and the hang watchdog."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, interval_s: float = 1.0, stale_s: float = 6.0,
+                 hang_s: float = 20.0, exit_on_hang: bool = True) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval_s, self.stale_s, self.hang_s = interval_s, stale_s, hang_s
+        self.exit_on_hang = exit_on_hang
+        self._count = 0
+        self._stop = threading.Event()
+        self._inside: dict[int, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._thread: threading.Thread | None = None
+        self.store_lost = False
+
+    # ---- lifecycle
+    def start(self) -> "HealthMonitor":
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="memrt-health", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.store.set(f"memrt/hb/{self.rank}/left", "1")
+        except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval_s + 1)
+
+    def _beat(self) -> None:
+        self._count += 1
+        self.store.set(f"memrt/hb/{self.rank}", str(self._count))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001
+                self.store_lost = True
+            self._watchdog()
+
+    @contextmanager
+    def inside(self, name: str) -> Iterator[None]:
+        """Mark this thread as inside collective ``name`` (for the hang watchdog)."""
+        tid = threading.get_ident()
+        with self._lock:
+            self._inside[tid] = (name, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside.pop(tid, None)
+
+    # ---- diagnosis
+    def _read(self, r: int) -> bytes | None:
+        key = f"memrt/hb/{r}"
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key)
+
+    def stale_peers(self) -> list[int]:
+        """Peers whose counter has not moved for ``stale_s`` (based on this monitor's observations)."""
+        now = time.monotonic()
+        stale = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            value = self._read(r)
+            old = self._seen.get(r)
+            if old is None or old[0] != value:
+                self._seen[r] = (value, now)
+            elif now - old[1] >= self.stale_s and not self._marked(r):
+                stale.append(r)
+        return stale
+
+    def _marked(self, r: int) -> bool:
+        return bool(self.store.check([f"memrt/hb/{r}/failed"]))
+
+    def mark_failed(self, reason: str) -> None:
+        try:
+            self.store.set(f"memrt/hb/{self.rank}/failed", reason[:200])
+        except Exception:  # noqa: BLE001
+            pass
+
+    def missing_ranks(self, within_s: float | None = None) -> list[int] | None:
+        """Ranks that stopped beating (polls up to ``within_s``); None when the store itself is unreachable."""
+        within_s = self.stale_s + 2 * self.interval_s if within_s is None else within_s
+        deadline = time.monotonic() + within_s
+        try:
+            while True:
+                stale = self.stale_peers()
+                if stale or time.monotonic() >= deadline:
+                    return stale
+                time.sleep(min(self.interval_s / 2, 0.5))
+        except Exception:  # noqa: BLE001 - store unreachable
+            return None
+
+    def diagnose(self, op: str, exc: BaseException) -> PeerFailureError:
+        """The error to raise after ``op`` failed with ``exc``: names the missing rank(s) when found."""
+        self.mark_failed(f"{op}: {type(exc).__name__}")
+        missing = self.missing_ranks()
+        if missing is None:
+            msg = (f"memrt.comm: {op} failed on rank {self.rank} and the rendezvous store is unreachable: the process "
+                   f"hosting it (rank 0 under env:// or tcp:// init, or the launcher) is gone ({exc})")
+            return PeerFailureError(msg, (0,))
+        if missing:
+            msg = (f"memrt.comm: {op} failed on rank {self.rank}: rank(s) {missing} are gone (no heartbeat for "
+                   f"{self.stale_s:.0f} s); the job cannot continue ({type(exc).__name__}: {exc})")
+        else:
+            msg = f"memrt.comm: {op} failed on rank {self.rank}; every peer is still alive ({type(exc).__name__}: {exc})"
+        return PeerFailureError(msg, missing)
+
+    def _watchdog(self) -> None:
+        with self._lock:
+            inside = list(self._inside.values())
+        if not inside:
+            return
+        name, since = min(inside, key=lambda x: x[1])
+        try:
+            stale = self.stale_peers()
+        except Exception:  # noqa: BLE001
+            stale, self.store_lost = None, True
+        if time.monotonic() - since < self.hang_s:
+            return
+        if stale is None:
+            msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s and the rendezvous store is "
+                   "unreachable: the process hosting it (rank 0 or the launcher) is gone")
+        elif stale:
+            msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {stale} are gone "
+                   f"(no heartbeat for {self.stale_s:.0f} s)")
+        else:
+            return
+        logger.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+        if self.exit_on_hang:
+            self.mark_failed(f"hang in {name}")
+            os._exit(1)

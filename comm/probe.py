@@ -1,0 +1,254 @@
+"""Measure the links of a running job per tier and fit the alpha-beta model, cached per topology.
+
+Three short transfer patterns (send/recv, timed between barriers,
+the slowest participant counts), each at a few sizes, fitted by least squares ``t = alpha + n beta``:
+
+- ``intra``: local rank 2k sends to local rank 2k+1, in every node at once;
+- ``inter`` alone: local rank 0 of node 0 sends to local rank 0 of node 1 (one flow);
+- ``inter`` shared: every local rank of node 0 sends to the same local rank of node 1 at once
+  (hierarchical's inter phase: the node's link is shared).
+
+Plus local rates: the reduction (``gamma``) and each codec's encode + decode. The result is the
+same on every rank (times are max-reduced before fitting) and is cached in
+``<cache dir>/comm-links-<topology key>.json``; later runs on the same hosts and grouping load it
+instead of probing. Cache dir: ``cache_dir=`` > ``MEMRT_REPORT_DIR`` > ``$XDG_CACHE_HOME/memrt`` >
+``~/.cache/memrt``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import logging
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from memrt.comm.costmodel import LinkModel, TierLink
+
+__all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "topology_key", "fit_alpha_beta", "clear_memo"]
+
+logger = logging.getLogger(__name__)
+
+INTRA_SIZES = (8, 256 << 10, 4 << 20)
+"""Bytes per exchange for the intra tier."""
+INTER_SIZES = (8, 512 << 10, 4 << 20)
+"""Bytes per exchange for the inter tier (well above a token bucket's burst)."""
+REPS = 3
+"""Timed repetitions per size (the median counts), after one warm-up."""
+
+_MEMO: dict[str, LinkModel] = {}
+
+
+def clear_memo() -> None:
+    """Forget models probed or loaded in this process (tests)."""
+    _MEMO.clear()
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = alpha + n * beta`` over (bytes, seconds) points; both clamped at >= 0."""
+    if len(points) < 2:
+        raise ValueError(f"fit_alpha_beta needs >= 2 points, got {len(points)}")
+    xs = [float(n) for n, _ in points]
+    ys = [float(t) for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    beta = max(beta, 0.0)
+    alpha = max(my - beta * mx, 0.0)
+    if alpha == 0.0:  # keep latency from the smallest message when the line passes below zero
+        alpha = max(min(ys) - beta * min(xs), 0.0)
+    return alpha, beta
+
+
+def _host_identity() -> str:
+    addrs = []
+    try:
+        import psutil
+
+        for name, entries in psutil.net_if_addrs().items():
+            for e in entries:
+                if e.family == socket.AF_INET and not e.address.startswith("127."):
+                    addrs.append(e.address)
+    except Exception:  # psutil missing or restricted: the hostname alone
+        pass
+    return socket.gethostname() + "|" + ",".join(sorted(addrs))
+
+
+def topology_key(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str], hosts: Sequence[str]) -> str:
+    """Stable key of (grouping, device kinds, host identities): a different cluster gets a new probe."""
+    text = repr((tuple(tuple(n) for n in nodes), tuple(device_kinds), tuple(hosts)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_path(key: str, cache_dir: str | Path | None = None) -> Path:
+    if cache_dir is None:
+        from memrt.config import environ, load_config
+
+        env = environ()
+        cfg = load_config(env, warn_unknown=False)
+        if cfg.report_dir:
+            cache_dir = cfg.report_dir
+        else:
+            base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+            cache_dir = Path(base) / "memrt"
+    return Path(cache_dir) / f"comm-links-{key}.json"
+
+
+def _time_pattern(peer: tuple[str, int] | None, nbytes: int, group) -> float:
+    """Median seconds of one transfer to/from ``peer`` (("send"|"recv", rank); None: idle) between barriers.
+
+    Transfers are one-directional (a sender and a receiver): ring algorithms keep each link busy in
+    one direction per flow, and on rate-limited links a flow's ACKs queued behind reverse traffic
+    would halve a two-way exchange.
+    """
+    import torch.distributed as dist
+
+    n = max(1, nbytes // 4)
+    buf = torch.ones(n)
+    times = []
+    for rep in range(REPS + 1):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        if peer is not None:
+            (dist.send if peer[0] == "send" else dist.recv)(buf, peer[1], group=group)
+        dt = time.perf_counter() - t0
+        if rep:
+            times.append(dt)
+    return statistics.median(times) if peer is not None else 0.0
+
+
+def _local_rates(nbytes: int = 4 << 20) -> list[float]:
+    from memrt.comm.compress import CODECS, decode, encode
+
+    x = torch.randn(nbytes // 4)
+    y = torch.randn(nbytes // 4)
+    rates = []
+    for fn in [lambda: x.add_(y)] + [(lambda c=c: decode(encode(x, c), c, x.numel())) for c in CODECS]:
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        rates.append(min(ts) / nbytes)
+    return rates
+
+
+def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = "") -> LinkModel:
+    """Run the probe on every rank of ``group`` (collective); return the fitted model (same on all ranks)."""
+    import torch.distributed as dist
+
+    from memrt.comm.compress import CODECS
+
+    t_start = time.perf_counter()
+    rank = dist.get_rank(group)
+    node_of = {r: i for i, n in enumerate(nodes) for r in n}
+    mine = nodes[node_of[rank]]
+    local = mine.index(rank)
+    patterns: list[tuple[str, tuple[int, ...]]] = []
+    # intra: local rank 2k sends to 2k+1 in every node at once
+    intra_peer = None
+    if len(mine) > 1:
+        partner = local ^ 1
+        if partner < len(mine):
+            intra_peer = ("send" if local % 2 == 0 else "recv", mine[partner])
+    multi = len(nodes) > 1
+    inter_single = inter_shared = None
+    if multi and node_of[rank] in (0, 1):
+        other = nodes[1 - node_of[rank]]
+        direction = "send" if node_of[rank] == 0 else "recv"
+        if local < len(other):
+            inter_shared = (direction, other[local])
+            inter_single = (direction, other[0]) if local == 0 else None
+    results = []
+    sizes_intra = INTRA_SIZES if any(len(n) > 1 for n in nodes) else ()
+    for size in sizes_intra:
+        results.append(_time_pattern(intra_peer, size, group))
+    for size in INTER_SIZES if multi else ():
+        results.append(_time_pattern(inter_single, size, group))
+    for size in INTER_SIZES if multi else ():
+        results.append(_time_pattern(inter_shared, size, group))
+    results.extend(_local_rates())
+    vec = torch.tensor(results, dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    vals = vec.tolist()
+    i = 0
+
+    def take(sizes):
+        nonlocal i
+        pts = list(zip(sizes, vals[i:i + len(sizes)]))
+        i += len(sizes)
+        return fit_alpha_beta(pts)
+
+    intra = inter = None
+    if sizes_intra:
+        a, b = take(sizes_intra)
+        intra = TierLink(alpha_s=a, beta_s_per_byte=b)
+    if multi:
+        a1, b1 = take(INTER_SIZES)
+        a2, b2 = take(INTER_SIZES)
+        inter = TierLink(alpha_s=a1, beta_s_per_byte=b1, shared_beta_s_per_byte=max(b2, b1))
+    if intra is None:  # one rank per node: intra never used; mirror inter
+        intra = inter if inter is not None else TierLink(alpha_s=0.0, beta_s_per_byte=0.0)
+    gamma = vals[i]
+    codec = dict(zip(CODECS, vals[i + 1:i + 1 + len(CODECS)]))
+    model = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma, codec_s_per_byte=codec, topology_key=key,
+                      measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                      probe_seconds=time.perf_counter() - t_start)
+    logger.info("probed links in %.2fs: %s", model.probe_seconds, model)
+    return model
+
+
+def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str] = (), *, group=None,
+                      cache_dir: str | Path | None = None, force: bool = False) -> tuple[LinkModel, bool]:
+    """The link model for this job: from this process's memo, the cache (rank 0 reads, broadcasts), or a probe.
+
+    Collective over ``group``. Returns (model, probed) where ``probed`` says a probe ran now.
+    """
+    import torch.distributed as dist
+
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, _host_identity(), group=group)
+    key = topology_key(nodes, device_kinds, hosts)
+    if not force and key in _MEMO:
+        return _MEMO[key], False
+    path = cache_path(key, cache_dir)
+    msg: list[str | None] = [None]
+    if dist.get_rank(group) == 0 and not force and path.exists():
+        try:
+            text = path.read_text()
+            LinkModel.from_json(text)
+            msg[0] = text
+        except Exception as exc:  # a corrupt cache is re-probed, never trusted
+            logger.warning("ignoring unreadable link cache %s (%s); probing again", path, exc)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(msg, src=src, group=group)
+    if msg[0] is not None:
+        model = LinkModel.from_json(msg[0])
+        _MEMO[key] = model
+        return model, False
+    model = probe_links(nodes, group=group, key=key)
+    _MEMO[key] = model
+    if dist.get_rank(group) == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(model.to_json())
+            tmp.replace(path)
+        except OSError as exc:
+            logger.warning("could not cache the link model at %s (%s): the next run probes again; "
+                           "set MEMRT_REPORT_DIR to a writable directory", path, exc)
+    return model, True
+
+
+def attach_links(topology, *, group=None, cache_dir: str | Path | None = None):
+    """``topology`` with ``links`` set to this job's measured :class:`LinkModel` (collective; probes once)."""
+    import dataclasses
+
+    model, _ = ensure_link_model(topology.nodes, topology.device_kinds, group=group, cache_dir=cache_dir)
+    return dataclasses.replace(topology, links=model)

@@ -1,0 +1,181 @@
+"""The process groups of the two tiers, behind one small interface the algorithms use.
+
+A :class:`Tier` is one communicator (a torch ProcessGroup, or an MPI communicator in
+:mod:`memrt.comm.mpi_backend`) with the four non-blocking operations the hierarchical algorithms
+need: uneven all-to-all, equal-size all-gather, all-reduce and broadcast. :class:`HierGroups` holds
+this rank's tiers for one topology: two intra-node groups (reduce-scatter and all-gather run on
+separate groups so their chunks overlap) and one inter-node group per segment this rank owns
+(:func:`memrt.comm.topology.inter_segments`). Groups are created once per topology and cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from memrt.comm.topology import Segment, Topology
+
+__all__ = ["Tier", "TorchTier", "HierGroups", "torch_groups", "op_name", "combine_", "Done", "clear_group_cache"]
+
+logger = logging.getLogger(__name__)
+
+REDUCE_OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+
+
+def op_name(op: Any) -> str:
+    """'SUM' | 'AVG' | 'MIN' | 'MAX' | 'PRODUCT' from a ReduceOp, its type or a string."""
+    if op is None:
+        return "SUM"
+    name = op if isinstance(op, str) else getattr(op, "name", None) or str(op)
+    name = str(name).split(".")[-1].upper()
+    if name not in REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not supported by memrt.comm: expected one of {', '.join(REDUCE_OPS)} "
+                         "(other ops: call torch.distributed directly)")
+    return name
+
+
+def combine_(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
+    """``acc = acc (op) x`` in place, in ``acc``'s dtype (AVG combines as SUM)."""
+    if op in ("SUM", "AVG"):
+        return acc.add_(x)
+    if op == "PRODUCT":
+        return acc.mul_(x)
+    if op == "MIN":
+        return torch.minimum(acc, x, out=acc)
+    return torch.maximum(acc, x, out=acc)
+
+
+class Done:
+    """A finished operation (same interface as a torch Work)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+class Tier(Protocol):
+    """One communicator; every method starts a non-blocking operation and returns an object with ``wait()``."""
+
+    size: int
+    rank: int
+    handle: Any
+    """What pluggable functions receive as ``group`` (torch ProcessGroup or MPI communicator)."""
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                   in_splits: Sequence[int]) -> Any: ...
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any: ...
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> Any: ...
+
+    def broadcast(self, t: torch.Tensor, root: int) -> Any: ...
+
+
+def _torch_op(op: str):
+    import torch.distributed as dist
+
+    return {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.SUM, "MIN": dist.ReduceOp.MIN,
+            "MAX": dist.ReduceOp.MAX, "PRODUCT": dist.ReduceOp.PRODUCT}[op]
+
+
+class TorchTier:
+    """A torch.distributed process group over ``ranks`` (global ranks, group order)."""
+
+    def __init__(self, pg: Any, ranks: Sequence[int], my_rank: int) -> None:
+        self.handle = pg
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(my_rank)
+
+    def all_to_all(self, out, inp, out_splits, in_splits):
+        import torch.distributed as dist
+
+        return dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.handle, async_op=True)
+
+    def all_gather(self, out, inp):
+        import torch.distributed as dist
+
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(out, inp, group=self.handle, async_op=True)
+
+    def all_reduce(self, t, op):
+        import torch.distributed as dist
+
+        return dist.all_reduce(t, op=_torch_op(op), group=self.handle, async_op=True)
+
+    def broadcast(self, t, root):
+        import torch.distributed as dist
+
+        return dist.broadcast(t, src=self.ranks[root], group=self.handle, async_op=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class HierGroups:
+    """This rank's tiers for one topology."""
+
+    topology: Topology
+    intra_rs: Tier | None
+    """Intra-node group for reduce-scatter (None when this node has one rank)."""
+    intra_ag: Tier | None
+    """Second intra-node group for all-gather / broadcast (overlaps with intra_rs)."""
+    segments: tuple[Segment, ...]
+    """Inter-node segments of a chunk (see topology.inter_segments)."""
+    inter: dict[int, Tier] = field(default_factory=dict)
+    """Segment index -> inter-node tier, for the segments this rank owns (empty with one node)."""
+    kind: str = "torch"
+    """'torch' or 'mpi'."""
+
+    @property
+    def slot_tier(self) -> Tier | None:
+        """With equal nodes: the inter-node group of this rank's local slot."""
+        mine = [t for t in self.inter.values()]
+        return mine[0] if len(mine) == 1 else None
+
+
+_CACHE: dict[tuple, HierGroups] = {}
+
+
+def clear_group_cache() -> None:
+    _CACHE.clear()
+
+
+def build_groups(topology: Topology, make: Callable[[tuple[int, ...]], Tier | None], kind: str) -> HierGroups:
+    """Create every group in the same order on every rank; ``make(ranks)`` is collective over the world."""
+    intra_rs = intra_ag = None
+    for i, node in enumerate(topology.nodes):
+        if len(node) < 2:
+            continue
+        a, b = make(node), make(node)
+        if i == topology.node_index:
+            intra_rs, intra_ag = a, b
+    segs = topology.segments()
+    inter: dict[int, Tier] = {}
+    if topology.num_nodes > 1:
+        for s, ranks in enumerate(topology.inter_groups()):
+            tier = make(ranks)
+            if topology.rank in ranks:
+                inter[s] = tier
+    return HierGroups(topology=topology, intra_rs=intra_rs, intra_ag=intra_ag, segments=segs, inter=inter, kind=kind)
+
+
+def torch_groups(topology: Topology) -> HierGroups:
+    """The torch.distributed groups of ``topology`` (collective on first use; cached)."""
+    import torch.distributed as dist
+
+    key = ("torch", topology.nodes, id(dist.distributed_c10d._get_default_group()))
+    if key not in _CACHE:
+        def make(ranks: tuple[int, ...]) -> Tier | None:
+            pg = dist.new_group(list(ranks))
+            return TorchTier(pg, ranks, topology.rank) if topology.rank in ranks else None
+
+        _CACHE[key] = build_groups(topology, make, "torch")
+        logger.debug("created hierarchical groups for %s", topology.nodes)
+    return _CACHE[key]

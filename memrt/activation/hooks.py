@@ -1,0 +1,263 @@
+"""The post-import hook on torch and memrt's wrappers of three torch.distributed entry points.
+
+:func:`install` registers a meta-path finder that waits for ``torch`` (and, later, ``torch.distributed.fsdp``)
+to finish importing, then wraps, in place:
+
+- ``torch.distributed.init_process_group``: validates the settings first (bad ones exit 2 before any
+  rendezvous), supplies an MPI rendezvous when the job runs under mpiexec without ``MASTER_ADDR``, calls
+  the original, then begins the session (run id, topology, banner, report at exit).
+- ``DistributedDataParallel.__init__``: after the original, plans memory for the wrapped module
+  (``memrt.auto``) and, when every rank of the DDP group is ready, registers memrt.comm's gradient hook.
+- ``fully_shard`` (FSDP2): begins the session and records the sharded modules.
+
+Each wrapper calls the original exactly once whatever memrt does, and a memrt failure falls back to it
+(:func:`memrt.activation.session.fail`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+import threading
+from typing import Any, Callable
+
+from memrt.activation import session as _session
+
+__all__ = ["install", "uninstall", "installed", "PostImportFinder"]
+
+_LOCK = threading.Lock()
+_FINDER: "PostImportFinder | None" = None
+_ORIGINALS: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to undo in uninstall()
+_WRAPPED_MARK = "__memrt_wrapped__"
+
+
+class _LoaderProxy(importlib.abc.Loader):
+    """Runs the real loader, then the callback with the fresh module."""
+
+    def __init__(self, loader: Any, callback: Callable[[Any], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader  # what introspection (inspect, linecache) expects
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class PostImportFinder(importlib.abc.MetaPathFinder):
+    """Calls ``callbacks[name](module)`` right after module ``name`` finishes importing."""
+
+    def __init__(self, callbacks: dict[str, Callable[[Any], None]]) -> None:
+        self.callbacks = dict(callbacks)
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.callbacks or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = None
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        callback = self.callbacks.pop(fullname)
+        spec.loader = _LoaderProxy(spec.loader, callback)
+        if not self.callbacks:
+            _remove_finder()
+        return spec
+
+
+def _remove_finder() -> None:
+    global _FINDER
+    if _FINDER is not None and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    _FINDER = None
+
+
+def installed() -> bool:
+    """True when the post-import hook is waiting or the wrappers are in place."""
+    return _FINDER is not None or bool(_ORIGINALS)
+
+
+def install() -> None:
+    """Register the post-import hook (or wrap at once when torch is already imported). Idempotent."""
+    global _FINDER
+    with _LOCK:
+        if installed():
+            return
+        callbacks = {}
+        if "torch" in sys.modules and hasattr(sys.modules["torch"], "nn"):
+            _guarded_on_torch(sys.modules["torch"])
+        else:
+            callbacks["torch"] = _guarded_on_torch
+        if "torch.distributed.fsdp" in sys.modules:
+            _guarded_on_fsdp(sys.modules["torch.distributed.fsdp"])
+        else:
+            callbacks["torch.distributed.fsdp"] = _guarded_on_fsdp
+        _FINDER = PostImportFinder(callbacks)
+        sys.meta_path.insert(0, _FINDER)
+
+
+def uninstall() -> None:
+    """Remove the hook and every wrapper (tests, ``memrt.activation`` users that switch off)."""
+    with _LOCK:
+        _remove_finder()
+        while _ORIGINALS:
+            owner, name, original = _ORIGINALS.pop()
+            setattr(owner, name, original)
+
+
+def _replace(owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, _WRAPPED_MARK, False):
+        return
+    wrapper = make_wrapper(original)
+    setattr(wrapper, _WRAPPED_MARK, True)
+    setattr(owner, name, wrapper)
+    _ORIGINALS.append((owner, name, original))
+
+
+def _guarded_on_torch(torch_module: Any) -> None:
+    try:
+        _on_torch(torch_module)
+    except Exception as exc:  # noqa: BLE001 - an import of torch must never fail because of memrt
+        uninstall()
+        _session.fail("post-import hook on torch", exc)
+
+
+def _guarded_on_fsdp(fsdp_module: Any) -> None:
+    try:
+        _on_fsdp(fsdp_module)
+    except Exception as exc:  # noqa: BLE001
+        _session.fail("post-import hook on torch.distributed.fsdp", exc)
+
+
+def _on_torch(torch_module: Any) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = None
+
+    def make_init(original):
+        nonlocal wrapped
+        if wrapped is None:
+            wrapped = _wrap_init_process_group(original)
+        return wrapped
+
+    _replace(distributed_c10d, "init_process_group", make_init)
+    _replace(dist, "init_process_group", make_init)
+    _replace(DistributedDataParallel, "__init__", _wrap_ddp_init)
+
+
+def _on_fsdp(fsdp_module: Any) -> None:
+    wrapped = None
+
+    def make(original):
+        nonlocal wrapped
+        if wrapped is None:
+            wrapped = _wrap_fully_shard(original)
+        return wrapped
+
+    _replace(fsdp_module, "fully_shard", make)
+    for name in ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed._composable.fsdp"):
+        if name in sys.modules:
+            _replace(sys.modules[name], "fully_shard", make)
+
+
+# ----------------------------------------------------------------------------------------------- wrappers
+
+
+def _wrap_init_process_group(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        if _session.is_off() or _session.current() is not None:
+            return original(*args, **kwargs)
+        config = _session.load_config_or_exit()  # SystemExit(2) on a bad setting, before any rendezvous
+        try:
+            from memrt.activation.mpi import rendezvous_kwargs
+
+            kwargs = rendezvous_kwargs(args, kwargs)
+        except Exception as exc:  # noqa: BLE001
+            _session.fail("MPI rendezvous", exc)
+        result = original(*args, **kwargs)
+        if not _session.is_off():
+            try:
+                from memrt.activation.report import begin
+
+                begin(config)
+            except Exception as exc:  # noqa: BLE001
+                _session.fail("start-up after init_process_group", exc)
+        return result
+
+    return init_process_group
+
+
+def _ensure_session() -> "_session.Session | None":
+    """The session, begun now when the process group was initialized without the wrapper."""
+    sess = _session.current()
+    if sess is not None or _session.is_off():
+        return sess  # after a failure the session still votes (no) so other ranks do not wait
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    config = _session.load_config_or_exit()
+    try:
+        from memrt.activation.report import begin
+
+        return begin(config)
+    except Exception as exc:  # noqa: BLE001
+        _session.fail("start-up", exc)
+        return None
+
+
+def _wrap_ddp_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, module, *args, **kwargs):
+        sess = _ensure_session()
+        original(self, module, *args, **kwargs)
+        if sess is not None:
+            from memrt.activation.wiring import setup_ddp
+
+            setup_ddp(sess, self)
+
+    return __init__
+
+
+def _wrap_fully_shard(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def fully_shard(module, *args, **kwargs):
+        sess = None
+        if not _session.is_off():
+            sess = _ensure_session()
+        result = original(module, *args, **kwargs)
+        if sess is not None and not _session.is_off():
+            try:
+                from memrt.activation.wiring import note_fully_shard
+
+                note_fully_shard(sess, module)
+            except Exception as exc:  # noqa: BLE001
+                _session.fail("FSDP2 set-up", exc)
+        return result
+
+    return fully_shard

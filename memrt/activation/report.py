@@ -1,0 +1,195 @@
+"""Begin the session after ``init_process_group``; at exit write each rank's report and print rank 0's summary.
+
+Nothing here issues a device collective: ranks agree on the run id and exchange their short summaries
+through the process group's key-value store (a ``PrefixStore("memrt", ...)``), so no collective runs
+before the user picked a device, and none runs at exit after the user destroyed the process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from memrt.activation import session as _session
+from memrt.activation.banner import format_banner
+from memrt.activation.session import Session
+from memrt.config import MemrtConfig, format_bytes
+
+__all__ = ["begin", "at_exit", "rank_summary", "format_summary"]
+
+logger = logging.getLogger("memrt.activation")
+
+SUMMARY_WAIT_S = 10.0
+"""How long rank 0 waits at exit for the other ranks' summaries (each rank sends it right after its file)."""
+
+
+def _default_store() -> Any:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API: without it ranks fall back to a local run id
+        logger.debug("no default store", exc_info=True)
+        return None
+    return dist.PrefixStore("memrt", store)
+
+
+def _nodes(config: MemrtConfig, world_size: int, backend: str) -> tuple[Any, str]:
+    """Ranks per node: MEMRT_TOPOLOGY, else memrt.comm's discovery, else the launcher's local size."""
+    if config.topology is not None:
+        return config.topology, "MEMRT_TOPOLOGY"
+    if "nccl" not in backend:  # discovery may issue collectives: only before a device is chosen on CPU backends
+        try:
+            from memrt.comm import get_topology
+
+            topo = get_topology()
+            return tuple(tuple(n) for n in topo.nodes), "memrt.comm discovery"
+        except Exception:  # noqa: BLE001 - comm absent or not ready: the launcher's view still names the shape
+            logger.debug("memrt.comm topology unavailable", exc_info=True)
+    launch = _session.launch_info_safe()
+    per_node = launch.local_world_size
+    if launch.launcher != "single" and per_node > 0 and world_size % per_node == 0:
+        return tuple(tuple(range(i, i + per_node)) for i in range(0, world_size, per_node)), "launcher"
+    return None, "unknown"
+
+
+def begin(config: MemrtConfig) -> Session:
+    """Start the session in this (training) process: run id, topology, banner, report at exit."""
+    existing = _session.current()
+    if existing is not None:
+        return existing
+    import torch.distributed as dist
+
+    os.environ["MEMRT_AUTOLOAD_ACTIVE"] = str(os.getpid())  # processes this one starts stay untouched
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    store = _default_store()
+    run_id = _session.agree_run_id(store, rank)
+    sess = Session(config=config, launch=_session.launch_info_safe(), rank=rank, world_size=world,
+                   run_id=run_id, report_dir=_session.report_dir_for(config, run_id), backend=backend,
+                   store=store)
+    _session.set_current(sess)
+    sess.nodes, sess.nodes_source = _nodes(config, world, backend)
+    from memrt.profiling.recorder import get_recorder
+
+    get_recorder().set_meta(run_id=run_id, rank=rank, world_size=world, launcher=sess.launch.launcher)
+    if rank == 0:
+        text = format_banner(config=config, launcher=sess.launch.launcher, world_size=world, nodes=sess.nodes,
+                             nodes_source=sess.nodes_source, backend=backend, run_id=run_id,
+                             report_dir=sess.report_dir)
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    atexit.register(at_exit)
+    return sess
+
+
+def _plans(sess: Session) -> list[dict[str, Any]]:
+    out = []
+    try:
+        from memrt import plan_of
+    except (ImportError, AttributeError):
+        return out
+    for module in sess.tracked:
+        try:
+            plan = plan_of(module)
+        except Exception:  # noqa: BLE001
+            plan = None
+        if plan is None:
+            continue
+        data = plan.to_json()
+        out.append(json.loads(data) if isinstance(data, str) else data)
+    return out
+
+
+def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) -> dict[str, Any]:
+    """The few numbers rank 0 prints for this rank."""
+    actions: Counter = Counter()
+    peak = predicted = budget = None
+    for plan in plans:
+        for unit in plan.get("units", []):
+            actions[unit.get("action", "?")] += 1
+        peak = plan.get("measured_peak_bytes", peak)
+        predicted = plan.get("predicted_peak_bytes", predicted)
+        budget = plan.get("budget_bytes", budget)
+    tiers: Counter = Counter()
+    for record in comm:
+        for tier, n in (getattr(record, "tier_bytes", None) or {}).items():
+            tiers[tier] += int(n)
+    return {"rank": sess.rank, "budget": str(sess.config.budget) if sess.config.budget else None,
+            "budget_bytes": budget, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted,
+            "actions": dict(actions), "comm_calls": len(comm), "tier_bytes": dict(tiers),
+            "comm_hooks": sess.comm_hooks, "failures": len(sess.failures)}
+
+
+def _fmt(n: Any) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def format_summary(sess: Session, summaries: list[dict[str, Any]], missing: list[int]) -> str:
+    lines = [f"memrt summary | run {sess.run_id} | {len(summaries)}/{sess.world_size} ranks reported "
+             f"| files in {sess.report_dir}",
+             f"memrt: {'rank':>4} {'budget':>11} {'peak':>11} {'predicted':>11}  {'plan':<26} "
+             f"{'comm':>5} {'bytes per tier':<28} {'hook':>4} fail"]
+    for s in sorted(summaries, key=lambda x: x["rank"]):
+        plan = ", ".join(f"{n} {a}" for a, n in sorted(s["actions"].items())) or "-"
+        tiers = ", ".join(f"{t} {format_bytes(b)}" for t, b in sorted(s["tier_bytes"].items())) or "-"
+        budget = _fmt(s["budget_bytes"]) if s["budget_bytes"] is not None else (s["budget"] or "none")
+        lines.append(f"memrt: {s['rank']:>4} {budget:>11} {_fmt(s['measured_peak_bytes']):>11} "
+                     f"{_fmt(s['predicted_peak_bytes']):>11}  {plan:<26} {s['comm_calls']:>5} {tiers:<28} "
+                     f"{'yes' if s['comm_hooks'] else 'no':>4} {s['failures']}")
+    if missing:
+        lines.append(f"memrt: no summary from rank(s) {missing} within {SUMMARY_WAIT_S:.0f}s (see their files)")
+    return "\n".join(lines)
+
+
+def _exchange(sess: Session, mine: dict[str, Any]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Rank 0 gets every rank's summary through the store; other ranks send theirs."""
+    if sess.world_size == 1 or sess.store is None:
+        return [mine], list(range(1, sess.world_size))
+    if sess.rank != 0:
+        sess.store.set(f"summary/{sess.rank}", json.dumps(mine))
+        return [], []
+    got = {0: mine}
+    deadline = time.monotonic() + SUMMARY_WAIT_S
+    while len(got) < sess.world_size and time.monotonic() < deadline:
+        for r in range(1, sess.world_size):
+            if r not in got and sess.store.check([f"summary/{r}"]):
+                got[r] = json.loads(sess.store.get(f"summary/{r}"))
+        if len(got) < sess.world_size:
+            time.sleep(0.05)
+    return list(got.values()), sorted(set(range(sess.world_size)) - set(got))
+
+
+def at_exit() -> None:
+    """Write ``rank{N}.json`` (plans, memory and comm records) and, on rank 0, print the summary."""
+    sess = _session.current()
+    if sess is None:
+        return
+    try:
+        from memrt.profiling.recorder import get_recorder
+
+        recorder = get_recorder()
+        plans = _plans(sess)
+        recorder.set_meta(activation={
+            "run_id": sess.run_id, "rank": sess.rank, "world_size": sess.world_size,
+            "launcher": sess.launch.launcher, "backend": sess.backend,
+            "nodes": [list(n) for n in sess.nodes] if sess.nodes else None, "nodes_source": sess.nodes_source,
+            "config": sess.config.effective(), "models": sess.models, "plans": plans,
+            "comm_hooks": sess.comm_hooks, "failures": sess.failures,
+            "seconds": time.perf_counter() - sess.started_s,
+        })
+        recorder.write(sess.report_dir, sess.rank)
+        comm = list(recorder.comm)  # a copy: appends from other threads do not disturb it
+        summaries, missing = _exchange(sess, rank_summary(sess, plans, comm))
+        if sess.rank == 0:
+            sys.stderr.write(format_summary(sess, summaries, missing) + "\n")
+            sys.stderr.flush()
+    except Exception as exc:  # noqa: BLE001 - exit must not fail because of the report
+        logger.warning("memrt: writing the report of rank %d failed (%s: %s)", sess.rank, type(exc).__name__, exc)

@@ -1,0 +1,178 @@
+"""What memrt does to a DDP (or FSDP2) model in an activated process.
+
+For each ``DistributedDataParallel`` construction:
+
+1. **memory**: ``memrt.auto(ddp.module, budget=MEMRT_BUDGET)``; a share (``85%``) resolves against THIS
+   rank's device, so ranks of a mixed cluster get different plans. Plans never change gradients, so DDP
+   stays correct when they differ.
+2. **gradient all-reduce**: memrt.comm's DDP hook, but only when every rank of the DDP group is ready for
+   it: a rank whose memrt stepped aside would otherwise run a different collective sequence and hang the
+   job. Ranks vote through the process group's store (no device collective), with a timeout.
+
+Missing pieces (memrt.memory or memrt.comm not installed) are skipped with a debug message; failures
+go through :func:`memrt.activation.session.fail` (one warning, memrt steps aside; strict: raise).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from memrt.activation import session as _session
+from memrt.activation.session import Session
+from memrt.config import Budget
+
+__all__ = ["setup_ddp", "note_fully_shard", "budget_argument", "VOTE_TIMEOUT_S"]
+
+logger = logging.getLogger("memrt.activation")
+
+VOTE_TIMEOUT_S = 60.0
+"""How long a rank waits for the others' comm-hook votes before leaving DDP's own all-reduce in place."""
+
+
+def budget_argument(budget: Budget | None) -> int | str | None:
+    """MEMRT_BUDGET in the form ``memrt.auto`` documents: bytes, ``"NN%"`` or None."""
+    if budget is None:
+        return None
+    if budget.bytes is not None:
+        return budget.bytes
+    return f"{budget.share * 100:g}%"
+
+
+def _missing(exc: ImportError, prefix: str) -> bool:
+    name = getattr(exc, "name", None) or ""
+    return isinstance(exc, ModuleNotFoundError) and (name == prefix or name.startswith(prefix + "."))
+
+
+def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
+    try:
+        import memrt.memory  # noqa: F401 - the planner's package (issue 3)
+        from memrt import auto, disable
+    except ImportError as exc:
+        if not _missing(exc, "memrt.memory"):
+            raise
+        entry["memory"] = "memory planner not installed"
+        logger.debug("memrt.memory not importable: no memory plan")
+        return
+    try:
+        auto(module, budget=budget_argument(sess.config.budget))
+    except Exception:
+        try:
+            disable(module)
+        finally:
+            entry["memory"] = "failed"
+        raise
+    sess.tracked.append(module)
+    entry["memory"] = "planned at step 1 (profile), in force from step 2"
+    entry["guarded_steps"] = _guard_steps(module)
+
+
+def _guard_steps(module: Any) -> bool:
+    """Make a planner error during training (e.g. an infeasible budget found at step 2) a warning.
+
+    memrt.auto plans inside the model's forward pre-hook; without this its exception would end the job.
+    The guard removes memrt's hooks from the model (the step then runs as without memrt) and warns once.
+    Relies on memrt.memory's per-model state; without it, planner errors propagate as they are.
+    """
+    try:
+        from memrt.memory import auto as auto_module
+
+        handle = auto_module._STATES[module].handle  # noqa: SLF001 - no public error policy yet
+        inner = handle._extra_step  # noqa: SLF001
+    except Exception:  # noqa: BLE001
+        return False
+    if inner is None:
+        return False
+
+    def guarded_step(args: tuple, kwargs: dict) -> None:
+        try:
+            inner(args, kwargs)
+        except Exception as exc:  # noqa: BLE001
+            from memrt import disable
+
+            disable(module)
+            _session.fail("memory plan during training", exc)
+
+    handle._extra_step = guarded_step  # noqa: SLF001
+    return True
+
+
+def _comm_hook_wanted(sess: Session, entry: dict[str, Any]) -> Any:
+    """memrt.comm.register_ddp_hook when this rank can use it, else None (reason in ``entry``)."""
+    if sess.config.comm == "off":
+        entry["comm_hook"] = "off (MEMRT_COMM=off)"
+        return None
+    try:
+        from memrt.comm import register_ddp_hook
+    except ImportError as exc:
+        if not (_missing(exc, "memrt.comm") or "register_ddp_hook" in str(exc)):
+            raise
+        entry["comm_hook"] = "memrt.comm DDP hook not installed"
+        return None
+    return register_ddp_hook
+
+
+def _group_ranks(ddp: Any, world_size: int) -> list[int]:
+    import torch.distributed as dist
+
+    group = getattr(ddp, "process_group", None)
+    try:
+        return list(dist.get_process_group_ranks(group)) if group is not None else list(range(world_size))
+    except Exception:  # noqa: BLE001
+        return list(range(world_size))
+
+
+def _vote(sess: Session, key: str, ok: bool, ranks: list[int]) -> bool:
+    """True when every rank in ``ranks`` voted yes within VOTE_TIMEOUT_S."""
+    if len(ranks) <= 1:
+        return ok
+    if sess.store is None:
+        return False
+    sess.store.set(f"{key}/vote/{sess.rank}", "1" if ok else "0")
+    keys = [f"{key}/vote/{r}" for r in ranks]
+    try:
+        sess.store.wait(keys, timedelta(seconds=VOTE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a rank without memrt never votes
+        logger.warning("memrt: not every rank answered within %.0fs; DDP keeps its own all-reduce", VOTE_TIMEOUT_S)
+        return False
+    return all(sess.store.get(k) == b"1" for k in keys)
+
+
+def setup_ddp(sess: Session, ddp: Any) -> None:
+    """Memory plan and comm hook for a freshly built DistributedDataParallel (called on every rank)."""
+    sess.ddp_count += 1
+    module = ddp.module
+    entry: dict[str, Any] = {"kind": "ddp", "index": sess.ddp_count, "module": type(module).__name__,
+                             "parameters": sum(p.numel() for p in module.parameters()),
+                             "budget": str(sess.config.budget) if sess.config.budget else None,
+                             "memory": "off", "comm_hook": "no"}
+    sess.models.append(entry)
+    register = None
+    if not _session.is_off():
+        try:
+            _plan_memory(sess, module, entry)
+            register = _comm_hook_wanted(sess, entry)
+        except Exception as exc:  # noqa: BLE001
+            _session.fail("memory plan for DistributedDataParallel", exc)
+            register = None
+    ranks = _group_ranks(ddp, sess.world_size)
+    if not _vote(sess, f"ddp{sess.ddp_count}", register is not None and not _session.is_off(), ranks):
+        if register is not None:
+            entry["comm_hook"] = "not on every rank: DDP's own all-reduce kept"
+        return
+    try:
+        compress = None if sess.config.compress == "none" else sess.config.compress
+        register(ddp, compress=compress)
+    except Exception as exc:  # noqa: BLE001
+        _session.fail("registering the memrt.comm DDP hook", exc)
+        return
+    sess.comm_hooks += 1
+    entry["comm_hook"] = f"memrt.comm (compress={sess.config.compress})"
+
+
+def note_fully_shard(sess: Session, module: Any) -> None:
+    """Record an FSDP2-sharded module in the report (memory plans for FSDP2 are not applied yet)."""
+    sess.models.append({"kind": "fsdp2", "module": type(module).__name__,
+                        "parameters": sum(p.numel() for p in module.parameters()),
+                        "memory": "not planned (FSDP2 planning is not supported yet)", "comm_hook": "fsdp2 own"})

@@ -1,0 +1,235 @@
+"""SpeedBalancer: measure each rank, agree on shares in one collective, weight gradients, feed the sampler.
+
+    bal = SpeedBalancer(global_batch=64)                      # after init_process_group
+    loader = DataLoader(ds, batch_sampler=bal.sampler(ds))    # each rank: its share of every global batch
+    ddp = DDP(model); bal.attach(ddp)                         # comm hook: grad * b_r/B, SUM all-reduce
+    for x, y in loader:
+        with bal.step(len(x)):                                # times compute; may rebalance at the end
+            loss_fn(ddp(x), y).backward()                     # loss = mean over the rank's b_r samples
+        opt.step(); opt.zero_grad()
+
+Shares start uniform. Every ``rebalance_every`` steps all ranks all-gather (samples/s, memory bound) and
+run the same deterministic rule (:func:`memrt.balance.shares.decide_shares`); the new shares are adopted
+only when they cut the predicted step time by ``min_gain`` (so noise does not make them flap), and take
+effect from the next global batch drawn — a step boundary on every rank alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from memrt.balance.capability import ThroughputMeter
+from memrt.balance.hook import WeightedHookState, weighted_allreduce_hook
+from memrt.balance.sampler import BalancedBatchSampler
+from memrt.balance.shares import Shares, decide_shares, gather_capabilities, predicted_step_seconds, uniform_shares
+
+__all__ = ["BalanceConfig", "Decision", "SpeedBalancer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class BalanceConfig:
+    """How a :class:`SpeedBalancer` measures and decides."""
+
+    rebalance_every: int = 4
+    """Steps between share decisions (one all-gather of 16 bytes per rank each time)."""
+    window_steps: int = 8
+    """Steps in the throughput window (samples/s = window samples / window compute seconds)."""
+    warmup_steps: int = 1
+    """Steps ignored after every share change (first-call and allocator warm-up)."""
+    min_gain: float = 0.05
+    """Adopt new shares only when they cut the predicted step time by this fraction (0.05 = 5%)."""
+    adaptive: bool = True
+    """False: keep the initial (or ``set_shares``) shares; no collective is ever run."""
+
+    def __post_init__(self) -> None:
+        if self.rebalance_every < 1:
+            raise ValueError(f"rebalance_every={self.rebalance_every} is not valid: expected >= 1 step")
+        if self.rebalance_every <= self.warmup_steps:
+            raise ValueError(f"rebalance_every={self.rebalance_every} must exceed warmup_steps="
+                             f"{self.warmup_steps}, or no step would be measured between decisions")
+        if self.window_steps < 1:
+            raise ValueError(f"window_steps={self.window_steps} is not valid: expected >= 1")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain={self.min_gain} is not valid: expected a fraction in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Decision:
+    """One share decision, identical on every rank."""
+
+    step: int
+    """Steps completed when it was taken."""
+    samples_per_s: tuple[float, ...]
+    """Gathered measured throughput per rank."""
+    max_samples: tuple[int | None, ...]
+    """Gathered memory bound per rank."""
+    shares: tuple[int, ...]
+    """Shares in force after the decision."""
+    changed: bool
+    """Whether the shares changed."""
+    predicted_gain: float
+    """1 - predicted step time with the proposal / with the old shares."""
+
+
+class SpeedBalancer:
+    """Speed-weighted data parallelism over ``group`` (default: the whole job) for a fixed global batch.
+
+    Construction is collective (every rank of ``group``, same ``global_batch``): without ``shares`` the
+    ranks all-gather their memory bounds and start from uniform shares within them. ``max_samples`` is
+    this rank's memory bound in samples per step (int), ``"plan"`` (derived from ``memrt.plan_of`` of the
+    attached model at each decision) or None (unbounded).
+    """
+
+    def __init__(self, global_batch: int, *, group: Any = None, max_samples: int | str | None = None,
+                 config: BalanceConfig | None = None, shares: Sequence[int] | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("SpeedBalancer needs an initialized process group: call init_process_group first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.config = config or BalanceConfig()
+        if max_samples is not None and max_samples != "plan" and (not isinstance(max_samples, int) or max_samples < 1):
+            raise ValueError(f"max_samples={max_samples!r} is not valid: expected samples >= 1, 'plan' (from "
+                             "memrt.plan_of(model) of the attached model) or None (no memory bound)")
+        self.max_samples = max_samples
+        self._module: Any = None
+        if shares is None:  # uniform within the memory bounds: one all-gather of the bounds
+            bound = max_samples if isinstance(max_samples, int) else None
+            bounds = [m for _, m in gather_capabilities(1.0, bound, group)]
+            self.shares = (uniform_shares(global_batch, self.world_size) if all(m is None for m in bounds)
+                           else decide_shares(global_batch, [1.0] * self.world_size, bounds))
+        else:
+            self.shares = Shares(per_rank=tuple(shares), global_batch=global_batch)
+        if len(self.shares.per_rank) != self.world_size:
+            raise ValueError(f"shares={tuple(shares or ())} has {len(self.shares.per_rank)} entries for world size "
+                             f"{self.world_size}")
+        self.meter = ThroughputMeter(window_steps=self.config.window_steps, warmup_steps=self.config.warmup_steps)
+        self.hook_state = WeightedHookState(weight=self.shares.weight(self.rank), world_size=self.world_size,
+                                            group=group)
+        self.decisions: list[Decision] = []
+        self.steps = 0
+        self._since_check = 0
+        self._hook_attached = False
+        self.comm = "none"
+        """How gradients are reduced once attached: torch, memrt (topology-aware) or mixed (host staging)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.shares.global_batch
+
+    def sampler(self, data, *, shuffle: bool = True, seed: int = 0) -> BalancedBatchSampler:
+        """A batch sampler that follows this balancer's shares (pass as ``batch_sampler=``)."""
+        return BalancedBatchSampler(data, self, shuffle=shuffle, seed=seed)
+
+    def attach(self, ddp_model: Any, *, comm: str = "auto", inner_hook: Any = None, inner_state: Any = None,
+               inner_averages: bool = True, mixed: Any = None) -> WeightedHookState:
+        """Register the weighted comm hook on a ``DistributedDataParallel`` model (collective: all ranks call it).
+
+        ``comm``: "torch" reduces with torch.distributed; "memrt" with memrt.comm's topology-aware DDP hook
+        (hierarchical on multi-node jobs); "auto" picks memrt.comm when it is installed and the job spans
+        more than one node. An explicit ``inner_hook`` (which averages unless ``inner_averages=False``) wins;
+        ``mixed`` (a ``memrt.comm.mixed.MixedComm``) stages through host memory for mixed device kinds.
+        """
+        if comm not in ("auto", "torch", "memrt"):
+            raise ValueError(f"comm={comm!r} is not valid: expected 'auto', 'torch' or 'memrt'")
+        if inner_hook is None and mixed is None and comm != "torch":
+            inner_hook, inner_state = _memrt_comm_hook(ddp_model, required=comm == "memrt")
+            inner_averages = True
+        st = self.hook_state
+        st.inner_hook, st.inner_state, st.inner_averages, st.mixed = inner_hook, inner_state, inner_averages, mixed
+        self.comm = "mixed" if mixed is not None else ("memrt" if inner_hook is not None else "torch")
+        try:
+            ddp_model.register_comm_hook(st, weighted_allreduce_hook)
+        except RuntimeError as exc:
+            if "once" not in str(exc):
+                raise
+            raise RuntimeError("this DDP model already has a comm hook (MEMRT=1 registers memrt.comm's at "
+                               "construction): build the DDP model without it and call attach(ddp, comm='memrt'), "
+                               "which composes both") from exc
+        self._hook_attached = True
+        self._module = getattr(ddp_model, "module", ddp_model)
+        return st
+
+    def memory_bound(self) -> int | None:
+        """This rank's most samples per step: ``max_samples``, or from the memory plan when it is 'plan'."""
+        if self.max_samples != "plan":
+            return self.max_samples
+        try:
+            import memrt
+
+            plan = memrt.plan_of(self._module) if self._module is not None else None
+        except (ImportError, AttributeError):
+            return None
+        from memrt.balance.capability import max_samples_from_plan
+
+        return None if plan is None else max_samples_from_plan(plan, self.shares.per_rank[self.rank])
+
+    def set_shares(self, per_rank: Sequence[int]) -> None:
+        """Impose shares (every rank must call it with the same values at the same step boundary)."""
+        self.shares = Shares(per_rank=tuple(per_rank), global_batch=self.global_batch)
+        self.meter.reset()
+        self._since_check = 0
+
+    @contextlib.contextmanager
+    def step(self, local_samples: int | None = None) -> Iterator[None]:
+        """One training step's forward and backward. ``local_samples`` defaults to this rank's share."""
+        n = self.shares.per_rank[self.rank] if local_samples is None else int(local_samples)
+        start = time.perf_counter()
+        self.hook_state.start_step(n / self.global_batch, start)
+        yield
+        end = time.perf_counter()
+        compute = self.hook_state.compute_s if self.hook_state.compute_s is not None else end - start
+        self.meter.add(n, compute)
+        self.steps += 1
+        self._since_check += 1
+        if self.config.adaptive and self._since_check >= self.config.rebalance_every:
+            self.rebalance()
+
+    def rebalance(self) -> Decision:
+        """The collective: all-gather capabilities, decide on every rank alike. All ranks must call it."""
+        self._since_check = 0
+        mine = self.meter.samples_per_s()
+        gathered = gather_capabilities(mine if mine is not None else 0.0, self.memory_bound(), self.group)
+        speeds = tuple(s for s, _ in gathered)
+        bounds = tuple(m for _, m in gathered)
+        old = self.shares
+        new, gain = old, 0.0
+        if all(s > 0 for s in speeds):
+            proposal = decide_shares(self.global_batch, speeds, bounds)
+            over = any(m is not None and b > m for b, m in zip(old.per_rank, bounds))
+            gain = 1.0 - predicted_step_seconds(proposal, speeds) / predicted_step_seconds(old, speeds)
+            if proposal != old and (over or gain >= self.config.min_gain):
+                new = proposal
+        decision = Decision(step=self.steps, samples_per_s=speeds, max_samples=bounds, shares=new.per_rank,
+                            changed=new != old, predicted_gain=gain)
+        self.decisions.append(decision)
+        if decision.changed:
+            self.shares = new
+            self.meter.reset()
+            logger.info("step %d: shares %s -> %s (samples/s %s, predicted step time -%.0f%%)", self.steps,
+                        old.per_rank, new.per_rank, [f"{s:.1f}" for s in speeds], 100 * gain)
+        return decision
+
+
+def _memrt_comm_hook(ddp_model: Any, *, required: bool) -> tuple[Any, Any]:
+    """(memrt.comm.ddp_comm_hook, its state) when wanted and available, else (None, None)."""
+    try:
+        import memrt.comm as mcomm
+
+        hook, state_cls = mcomm.ddp_comm_hook, mcomm.DDPHookState
+    except (ImportError, AttributeError) as exc:
+        if required:
+            raise RuntimeError(f"comm='memrt' needs memrt.comm's DDP hook, which is unavailable ({exc}); "
+                               "use comm='torch'") from exc
+        return None, None
+    if not required and mcomm.get_topology().num_nodes <= 1:
+        return None, None
+    return hook, state_cls(process_group=ddp_model.process_group)

@@ -1,0 +1,217 @@
+"""Emulate a slow rank: cap one process's CPU share with a cgroup CPU quota (root only).
+
+``cap_process(pid, cpus=0.5)`` moves ``pid`` (all its threads) into a fresh cgroup whose quota lets it
+run ``cpus`` CPUs' worth of time per period: ``cpu.max = "<quota> <period>"`` on cgroup v2, or
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` on a cgroup v1 ``cpu`` hierarchy (kernel docs,
+Documentation/scheduler/sched-bwc.rst). The returned :class:`CpuCap` puts the process back where it
+was and removes the cgroup on ``close()`` (also as a context manager); cgroups left behind by killed
+runs are removed by the next cap (:func:`remove_stale_caps`).
+
+:func:`can_cap` says why capping is impossible (not root, no writable cgroup2 with the ``cpu``
+controller and no cgroup v1 ``cpu`` hierarchy); tests skip on its reason.
+
+A rank can cap itself from the internal setting ``MEMRT_CPU_CAP`` (``"1=0.5,3=0.25"``: rank -> CPUs),
+see :func:`cap_from_setting`; memrt's tests and benchmarks pass it to their children.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from memrt.config import internal_setting
+
+__all__ = ["CpuCap", "can_cap", "cap_process", "cap_from_setting", "parse_cap_setting", "remove_stale_caps"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "memrt-cpucap-"
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_MOUNTS = Path("/proc/mounts")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Hierarchy:
+    root: Path
+    """Mount point of the hierarchy that holds the ``cpu`` controller."""
+    version: int
+    """2 (unified, ``cpu.max``) or 1 (``cpu.cfs_quota_us``)."""
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    try:
+        text = _PROC_MOUNTS.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4:
+            out.append((parts[1], parts[2], parts[3]))  # mount point, fs type, options
+    return out
+
+
+def _find_hierarchy() -> tuple[_Hierarchy | None, str]:
+    """Prefer cgroup v2 at /sys/fs/cgroup (cpu controller, writable); fall back to a v1 cpu mount."""
+    if os.geteuid() != 0:
+        return None, "needs root (cgroup cpu quota)"
+    mounts = _mounts()
+    reasons = []
+    for point, fstype, _opts in mounts:
+        if fstype == "cgroup2" and Path(point) == _CGROUP_ROOT:
+            controllers = (Path(point) / "cgroup.controllers").read_text().split()
+            if "cpu" not in controllers:
+                reasons.append(f"cgroup2 at {point} has no cpu controller (controllers: {controllers})")
+            elif not os.access(point, os.W_OK):
+                reasons.append(f"cgroup2 at {point} is not writable")
+            else:
+                return _Hierarchy(root=Path(point), version=2), ""
+    for point, fstype, opts in mounts:
+        if fstype == "cgroup" and "cpu" in opts.split(","):
+            if os.access(point, os.W_OK):
+                return _Hierarchy(root=Path(point), version=1), ""
+            reasons.append(f"cgroup v1 cpu hierarchy {point} is not writable")
+    return None, "; ".join(reasons) or "no cgroup2 with a cpu controller and no cgroup v1 cpu hierarchy mounted"
+
+
+def can_cap() -> tuple[bool, str]:
+    """(True, "") when this process can cap CPU shares, else (False, why not)."""
+    hierarchy, why = _find_hierarchy()
+    return hierarchy is not None, why
+
+
+def _cgroup_of(pid: int, hierarchy: _Hierarchy) -> Path:
+    """The cgroup directory ``pid`` is in now, within ``hierarchy``."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        ctl = controllers.split(",")
+        if (hierarchy.version == 2 and hid == "0") or (hierarchy.version == 1 and "cpu" in ctl):
+            return hierarchy.root / path.lstrip("/")
+    return hierarchy.root
+
+
+def remove_stale_caps() -> int:
+    """Remove empty memrt cap cgroups left by processes that died; returns how many were removed."""
+    hierarchy, _ = _find_hierarchy()
+    if hierarchy is None:
+        return 0
+    removed = 0
+    for d in hierarchy.root.glob(_PREFIX + "*"):
+        try:
+            if not (d / "cgroup.procs").read_text().strip():
+                d.rmdir()
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+class CpuCap:
+    """A live cap: ``pid`` runs at most ``cpus`` CPUs. ``close()`` lifts it and removes the cgroup."""
+
+    def __init__(self, pid: int, cpus: float, period_us: int, hierarchy: _Hierarchy) -> None:
+        self.pid = pid
+        self.cpus = cpus
+        self.period_us = period_us
+        self.hierarchy = hierarchy
+        self.origin = _cgroup_of(pid, hierarchy)
+        self.path = hierarchy.root / f"{_PREFIX}{pid}-{uuid.uuid4().hex[:6]}"
+        self._closed = False
+        quota_us = max(1000, int(round(cpus * period_us)))  # the kernel's minimum quota is 1 ms
+        if hierarchy.version == 2:
+            self._enable_cpu_controller()
+        self.path.mkdir()
+        try:
+            if hierarchy.version == 2:
+                (self.path / "cpu.max").write_text(f"{quota_us} {period_us}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(period_us))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota_us))
+            (self.path / "cgroup.procs").write_text(str(pid))
+        except OSError:
+            self.path.rmdir()
+            raise
+        logger.info("capped pid %d at %.2f CPU (quota %d us per %d us, cgroup v%d)", pid, cpus, quota_us,
+                    period_us, hierarchy.version)
+
+    def _enable_cpu_controller(self) -> None:
+        control = self.hierarchy.root / "cgroup.subtree_control"
+        if "cpu" not in control.read_text().split():
+            control.write_text("+cpu")
+
+    def close(self) -> None:
+        """Move every process of the cap back to where ``pid`` was, then remove the cgroup."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            pids = (self.path / "cgroup.procs").read_text().split()
+        except OSError:
+            pids = []
+        for p in pids:
+            for target in (self.origin, self.hierarchy.root):
+                try:
+                    (target / "cgroup.procs").write_text(p)
+                    break
+                except OSError:  # origin gone or not a leaf: fall back to the root
+                    continue
+        try:
+            self.path.rmdir()
+        except OSError as exc:
+            logger.warning("could not remove cgroup %s: %s (remove_stale_caps() retries)", self.path, exc)
+
+    def __enter__(self) -> "CpuCap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def cap_process(pid: int | None = None, cpus: float = 0.5, *, period_us: int = 20_000) -> CpuCap:
+    """Cap ``pid`` (default: this process) at ``cpus`` CPUs (0.5 = half of one CPU).
+
+    ``period_us`` is the quota period (1000..1_000_000 us); a short period spreads the throttling
+    evenly over a training step. Raises ``PermissionError`` with the reason when capping is impossible.
+    """
+    if not 0.01 <= cpus <= 1024:
+        raise ValueError(f"cpus={cpus!r} is not valid: expected a CPU count between 0.01 and 1024")
+    if not 1000 <= period_us <= 1_000_000:
+        raise ValueError(f"period_us={period_us!r} is not valid: expected 1000..1000000 microseconds")
+    hierarchy, why = _find_hierarchy()
+    if hierarchy is None:
+        raise PermissionError(f"cannot cap CPU share: {why}")
+    remove_stale_caps()
+    return CpuCap(os.getpid() if pid is None else pid, cpus, period_us, hierarchy)
+
+
+def parse_cap_setting(raw: str | None) -> dict[int, float]:
+    """``"1=0.5,3=0.25"`` -> {1: 0.5, 3: 0.25}; empty or None -> {}."""
+    out: dict[int, float] = {}
+    if not raw or not raw.strip():
+        return out
+    for item in raw.split(","):
+        rank, sep, cpus = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(rank)] = float(cpus)
+        except ValueError:
+            raise ValueError(f"MEMRT_CPU_CAP={raw!r} is not valid: expected rank=cpus pairs like 1=0.5,3=0.25")
+    return out
+
+
+def cap_from_setting(rank: int, *, period_us: int = 20_000) -> CpuCap | None:
+    """Cap this process if ``MEMRT_CPU_CAP`` names ``rank``; None when it does not."""
+    caps = parse_cap_setting(internal_setting("MEMRT_CPU_CAP"))
+    if rank not in caps:
+        return None
+    return cap_process(None, caps[rank], period_us=period_us)

@@ -1,0 +1,18 @@
+"""memrt.memory: per-unit keep / recompute / offload under a memory budget.
+
+``memrt.auto(model, budget)`` does everything (profile step 1, plan, apply, certify); the lower level
+is ``memrt.profile(model, step_fn)`` -> ``memrt.plan(profile, budget)`` -> ``memrt.apply(model, plan)``;
+``memrt.disable(model)`` removes memrt from a model. (``auto``, ``profile`` and ``apply`` are also the
+names of submodules here, so the functions are exported from ``memrt`` only.)
+"""
+
+from __future__ import annotations
+
+from memrt.memory.apply import register_action
+from memrt.memory.auto import disable, plan_of
+from memrt.memory.planner import Plan, UnitOption, UnitPlan, min_feasible_budget, plan
+from memrt.memory.profile import Profile, UnitProfile
+from memrt.memory.units import find_units
+
+__all__ = ["Plan", "Profile", "UnitOption", "UnitPlan", "UnitProfile", "disable", "find_units",
+           "min_feasible_budget", "plan", "plan_of", "register_action"]

@@ -1,0 +1,236 @@
+"""Apply a plan: route every unit call through the handler of its action.
+
+Instrumentation swaps ``forward`` on the unit instances only (module types, parameters, buffers and
+``state_dict`` keys are untouched) and adds one forward pre-hook on the model that numbers the unit
+calls of each training step. :func:`memrt.disable` (or ``handle.remove()``) restores everything.
+
+Action handlers live in a small registry (:func:`register_action`): ``keep``, ``recompute`` and the
+offload actions (``offload_<tier>``, ``recompute+offload_<tier>``), which use
+:class:`memrt.memory.offload.OffloadEngine` through ``pack_hooks(i)`` and ``before_backward(i)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+import torch.nn as nn
+
+from memrt.memory.recompute import run_recomputed
+from memrt.memory.units import find_units
+
+__all__ = ["ActionHandler", "ApplyHandle", "Instrumentation", "apply", "register_action", "registered_actions"]
+
+logger = logging.getLogger(__name__)
+
+UnitCall = Callable[[str, nn.Module, Callable[..., Any], tuple, dict], Any]
+
+
+class Instrumentation:
+    """Routes every call of each unit to ``unit_call(name, module, forward, args, kwargs)``.
+
+    ``on_step(args, kwargs)`` runs at every training forward of the model (grad enabled), before it.
+    """
+
+    def __init__(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, unit_call: UnitCall,
+                 on_step: Callable[[tuple, dict], None] | None = None) -> None:
+        self.model = model
+        self.units = list(units)
+        self.unit_call = unit_call
+        self.on_step = on_step
+        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self._removed = False
+        for name, module in self.units:
+            had = "forward" in module.__dict__
+            self._saved.append((module, had, module.__dict__.get("forward")))
+            original = module.forward
+            module.forward = self._make_forward(name, module, original)
+        self._hook = model.register_forward_pre_hook(self._pre, with_kwargs=True) if on_step else None
+
+    def _make_forward(self, name: str, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+        ref = weakref.ref(self)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            inst = ref()
+            if inst is None or inst._removed:
+                return original(*args, **kwargs)
+            return inst.unit_call(name, module, original, args, kwargs)
+
+        forward.__wrapped__ = original  # type: ignore[attr-defined]
+        return forward
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled() and self.on_step is not None:
+            self.on_step(args, kwargs)
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        if self._hook is not None:
+            self._hook.remove()
+        for module, had, previous in self._saved:
+            if had:
+                module.forward = previous
+            else:
+                module.__dict__.pop("forward", None)
+        self._saved.clear()
+
+
+# -- action registry ----------------------------------------------------------------------------------
+class ActionHandler(Protocol):
+    def __call__(self, index: int, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple,
+                 kwargs: dict) -> Any: ...
+
+
+class ApplyContext:
+    """What handlers may need: the model, its device, offload settings, shared engines."""
+
+    def __init__(self, model: nn.Module, device: torch.device, offload_dir: str | None = None) -> None:
+        self.model, self.device, self.offload_dir = model, device, offload_dir
+        self.engines: dict[str, Any] = {}
+
+    def engine(self, tier: str) -> Any:
+        """The offload engine of ``tier`` (created on first use)."""
+        if tier not in self.engines:
+            try:
+                from memrt.memory.offload import OffloadEngine
+            except ImportError as exc:
+                raise RuntimeError("this plan offloads but memrt.memory.offload is not available") from exc
+            self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self.model)
+        return self.engines[tier]
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            try:
+                e.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not mask the caller's error
+                logger.warning("closing offload engine: %s", exc)
+        self.engines.clear()
+
+
+HandlerFactory = Callable[[ApplyContext, str], ActionHandler]
+_REGISTRY: dict[str, HandlerFactory] = {}
+
+
+def register_action(prefix: str, factory: HandlerFactory) -> None:
+    """Handle actions equal to ``prefix`` (or starting with ``prefix``) with ``factory(context, action)``."""
+    _REGISTRY[prefix] = factory
+
+
+def registered_actions() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _lookup(action: str) -> HandlerFactory:
+    if action in _REGISTRY:
+        return _REGISTRY[action]
+    for prefix in sorted(_REGISTRY, key=len, reverse=True):
+        if action.startswith(prefix):
+            return _REGISTRY[prefix]
+    raise ValueError(f"plan action {action!r} has no handler; registered: {', '.join(registered_actions())}")
+
+
+def _keep(ctx: ApplyContext, action: str) -> ActionHandler:
+    return lambda i, name, module, fn, args, kwargs: fn(*args, **kwargs)
+
+
+def _recompute(ctx: ApplyContext, action: str) -> ActionHandler:
+    return lambda i, name, module, fn, args, kwargs: run_recomputed(fn, args, kwargs, module=module, name=name)
+
+
+def _offload(ctx: ApplyContext, action: str) -> ActionHandler:
+    recompute = action.startswith("recompute+")
+    tier = action.split("offload_", 1)[1]
+
+    def handler(i: int, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        from memrt.memory.offload.wrap import notify_before_backward, recompute_offload
+
+        engine = ctx.engine(tier)
+        if recompute:
+            return recompute_offload(fn, engine, i, *args, module=module, **kwargs)
+        with engine.pack_hooks(i):
+            out = fn(*args, **kwargs)
+        notify_before_backward(out, engine, i)
+        return out
+
+    return handler
+
+
+register_action("keep", _keep)
+register_action("recompute", _recompute)
+register_action("offload_", _offload)
+register_action("recompute+offload_", _offload)
+
+
+class ApplyHandle:
+    """Plan in force on a model: unit calls are numbered per step and dispatched by action."""
+
+    def __init__(self, model: nn.Module, plan: Any, *, units: Sequence[str] | None = None,
+                 offload_dir: str | None = None, on_step: Callable[[tuple, dict], None] | None = None,
+                 unit_call: UnitCall | None = None) -> None:
+        from memrt.memory.profile import model_device
+
+        self.model = model
+        self.plan = plan
+        self.context = ApplyContext(model, model_device(model), offload_dir)
+        self._handlers: dict[str, ActionHandler] = {}
+        self._calls: dict[str, int] = {}
+        self._index = 0
+        self._extra_step = on_step
+        self._override = unit_call
+        self.inst = Instrumentation(model, find_units(model, units), unit_call=self._unit_call, on_step=self._on_step)
+
+    def set_plan(self, plan: Any) -> None:
+        self.plan = plan
+
+    def _on_step(self, args: tuple, kwargs: dict) -> None:
+        self._calls.clear()
+        self._index = 0
+        if self._extra_step is not None:
+            self._extra_step(args, kwargs)
+
+    def handler(self, action: str) -> ActionHandler:
+        h = self._handlers.get(action)
+        if h is None:
+            h = self._handlers[action] = _lookup(action)(self.context, action)
+        return h
+
+    def _unit_call(self, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        if self._override is not None:
+            return self._override(name, module, fn, args, kwargs)
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        index = self._index
+        self._index += 1
+        action = self.plan.action_for(name, call) if self.plan is not None else "keep"
+        return self.handler(action)(index, name, module, fn, args, kwargs)
+
+    def remove(self) -> None:
+        self.inst.remove()
+        self.context.close()
+
+
+_HANDLES: "weakref.WeakKeyDictionary[nn.Module, ApplyHandle]" = weakref.WeakKeyDictionary()
+
+
+def apply(model: nn.Module, plan: Any, *, units: Sequence[str] | None = None, offload_dir: str | None = None) -> nn.Module:
+    """Put ``plan`` in force on ``model`` (same object returned); :func:`memrt.disable` removes it."""
+    old = _HANDLES.pop(model, None)
+    if old is not None:
+        old.remove()
+    _HANDLES[model] = ApplyHandle(model, plan, units=units, offload_dir=offload_dir)
+    return model
+
+
+def remove(model: nn.Module) -> bool:
+    """Remove what :func:`apply` installed; True if something was."""
+    h = _HANDLES.pop(model, None)
+    if h is None:
+        return False
+    h.remove()
+    return True

@@ -1,0 +1,124 @@
+"""Device memory meters: one interface over the CPU tracker and CUDA's allocator statistics.
+
+A meter measures live tensor bytes on the model's device (the budget's quantity), the peak of each
+segment between two marks, and the "ghost" peak (CPU only: what a unit would hold if its saved tensors
+were kept). CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` with
+``reset_peak_memory_stats`` at every mark (host-side counters, no device synchronisation).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["Meter", "CpuMeter", "CudaMeter", "make_meter", "device_capacity_bytes"]
+
+
+class Meter:
+    """Interface; see module docstring."""
+
+    exact_ghosts = False
+
+    def start(self, extra: Iterable[Any] = ()) -> None: ...
+    def stop(self) -> None: ...
+    def live(self) -> int: raise NotImplementedError
+    def segment(self) -> tuple[int, int]: raise NotImplementedError
+    def ghost(self, t: torch.Tensor) -> None: ...
+    def clear_ghosts(self) -> None: ...
+    def mark(self, kind: str, label: str = "") -> None: ...
+    @property
+    def peak(self) -> int: raise NotImplementedError
+
+
+class CpuMeter(Meter):
+    exact_ghosts = True
+
+    def __init__(self, *, record: bool = True) -> None:
+        from memrt.profiling.cpu_tracker import CpuMemoryTracker
+
+        self.tracker = CpuMemoryTracker(record=record)
+
+    def start(self, extra: Iterable[Any] = ()) -> None:
+        self.tracker.start(extra)
+
+    def stop(self) -> None:
+        self.tracker.stop()
+
+    def live(self) -> int:
+        return self.tracker.live_bytes
+
+    def segment(self) -> tuple[int, int]:
+        return self.tracker.segment()
+
+    def ghost(self, t: torch.Tensor) -> None:
+        self.tracker.ghost(t)
+
+    def clear_ghosts(self) -> None:
+        self.tracker.clear_ghosts()
+
+    def mark(self, kind: str, label: str = "") -> None:
+        self.tracker.mark(kind, label)
+
+    @property
+    def peak(self) -> int:
+        return self.tracker.peak_bytes
+
+
+class CudaMeter(Meter):
+    def __init__(self, device: torch.device, *, record: bool = True) -> None:
+        self.device = device
+        self.record = record
+        self._peak = 0
+
+    def start(self, extra: Iterable[Any] = ()) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak = torch.cuda.memory_allocated(self.device)
+
+    def live(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def segment(self) -> tuple[int, int]:
+        p = torch.cuda.max_memory_allocated(self.device)
+        self._peak = max(self._peak, p)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return p, p
+
+    def mark(self, kind: str, label: str = "") -> None:
+        p, _ = self.segment()
+        if self.record:
+            from memrt.profiling.recorder import get_recorder
+
+            live = self.live()
+            if p > live:
+                get_recorder().record_memory(p, "peak", label)
+            get_recorder().record_memory(live, kind, label)
+
+    @property
+    def peak(self) -> int:
+        return max(self._peak, torch.cuda.max_memory_allocated(self.device))
+
+
+def make_meter(device: torch.device, *, record: bool = True) -> Meter:
+    if device.type == "cuda":
+        return CudaMeter(device, record=record)
+    if device.type == "cpu":
+        return CpuMeter(record=record)
+    raise ValueError(f"memrt's memory planner supports cpu and cuda devices, not {device.type!r}")
+
+
+def device_capacity_bytes(device: torch.device) -> int | None:
+    """Total memory of the device (CUDA: the GPU's; CPU: the machine's RAM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return None
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,30 @@
+"""Offload engine: saved activations to host memory (CUDA) or disk (any device), prefetched for backward.
+
+- :class:`OffloadEngine` — ``pack_hooks(i)``, ``before_backward(i)``, ``stats()``, ``close()``.
+- :func:`offload_options` — per-unit offload choices (and costs) for the planner.
+- :func:`probe_bandwidths` / :func:`load_bandwidths` — measured copy and disk speeds, cached.
+- :func:`offload_units` — the lower-level path: offload (or recompute + offload inputs) given modules.
+"""
+
+from __future__ import annotations
+
+from memrt.memory.offload.bandwidth import Bandwidths, load_bandwidths, probe_bandwidths
+from memrt.memory.offload.engine import TIERS, OffloadEngine, OffloadStats
+from memrt.memory.offload.errors import OffloadError
+from memrt.memory.offload.options import OFFLOAD_ACTIONS, offload_options
+from memrt.memory.offload.wrap import OffloadHandle, offload_units, recompute_offload
+
+__all__ = [
+    "Bandwidths",
+    "OFFLOAD_ACTIONS",
+    "OffloadEngine",
+    "OffloadError",
+    "OffloadHandle",
+    "OffloadStats",
+    "TIERS",
+    "load_bandwidths",
+    "offload_options",
+    "offload_units",
+    "probe_bandwidths",
+    "recompute_offload",
+]

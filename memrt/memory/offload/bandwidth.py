@@ -1,0 +1,174 @@
+"""Measured transfer speeds for the offload cost model: disk write/read, device<->host copies.
+
+Probed once per (device, filesystem) and cached in ``$XDG_CACHE_HOME/memrt/bandwidth.json`` (else
+``~/.cache/memrt/bandwidth.json``). The disk probe uses the engine's own path (``pwrite``/``preadv``
+of one buffer into a fresh file, no fsync), so it measures what offloading sees: for files that
+fit in the page cache that is memory speed, for larger ones the device's. The copy probe times
+pinned host <-> device copies with CUDA events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from memrt.memory.offload import cleanup
+
+__all__ = ["Bandwidths", "probe_bandwidths", "load_bandwidths", "default_cache_path"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(kw_only=True, slots=True)
+class Bandwidths:
+    """Transfer speeds in bytes per second (None where a path does not exist on this device)."""
+
+    device: str
+    """Device kind the figures are for, e.g. 'cpu' or 'cuda:NVIDIA H200'."""
+    disk_write_bytes_per_s: float
+    """Writing offload files (page cache included, no fsync)."""
+    disk_read_bytes_per_s: float
+    """Reading them back."""
+    d2h_bytes_per_s: float | None = None
+    """Device -> pinned host copy (CUDA only)."""
+    h2d_bytes_per_s: float | None = None
+    """Pinned host -> device copy (CUDA only)."""
+    directory: str = ""
+    """Folder whose filesystem was probed."""
+    probe_bytes: int = _PROBE_BYTES
+    """Bytes moved per probe."""
+    measured_at: float = 0.0
+    """time.time() of the probe."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Bandwidths":
+        return cls(**json.loads(text))
+
+
+def default_cache_path() -> Path:
+    from memrt.config import environ
+
+    env = environ()
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
+    return Path(base) / "memrt" / "bandwidth.json"
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _fs_key(directory: Path) -> str:
+    try:
+        return str(os.stat(directory).st_dev)
+    except OSError:
+        return str(directory)
+
+
+def _probe_disk(directory: str | None, nbytes: int) -> tuple[float, float, str]:
+    folder = cleanup.make_private_dir(directory)
+    try:
+        buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        view = memoryview(buf.numpy()).cast("B")
+        out = torch.empty_like(buf)
+        oview = memoryview(out.numpy()).cast("B")
+        writes, reads = [], []
+        for i in range(3):
+            path = folder / f"probe{i}.bin"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                t0 = time.perf_counter()
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(fd, view[done:], done)
+                t1 = time.perf_counter()
+                done = 0
+                while done < nbytes:
+                    n = os.preadv(fd, [oview[done:]], done)
+                    if n <= 0:
+                        break
+                    done += n
+                t2 = time.perf_counter()
+            finally:
+                os.close(fd)
+                os.unlink(path)
+            writes.append(nbytes / max(t1 - t0, 1e-9))
+            reads.append(nbytes / max(t2 - t1, 1e-9))
+        return sorted(writes)[1], sorted(reads)[1], str(folder.parent)  # medians of 3
+    finally:
+        cleanup.remove_dir(folder)
+
+
+def _probe_copies(device: torch.device, nbytes: int) -> tuple[float, float]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device=device)
+    d2h, h2d = [], []
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            a.record(stream)
+            host.copy_(dev, non_blocking=True)
+            b.record(stream)
+            dev.copy_(host, non_blocking=True)
+            c.record(stream)
+            c.synchronize()
+            d2h.append(nbytes / (a.elapsed_time(b) / 1e3))
+            h2d.append(nbytes / (b.elapsed_time(c) / 1e3))
+    return sorted(d2h)[1], sorted(h2d)[1]
+
+
+def probe_bandwidths(device: str | torch.device = "cpu", directory: str | None = None, *,
+                     nbytes: int = _PROBE_BYTES) -> Bandwidths:
+    """Measure now (no cache): about 0.1-0.5 s on a local disk."""
+    device = torch.device(device)
+    w, r, folder = _probe_disk(directory, nbytes)
+    d2h = h2d = None
+    if device.type == "cuda":
+        d2h, h2d = _probe_copies(device, nbytes)
+    bw = Bandwidths(device=_device_key(device), disk_write_bytes_per_s=w, disk_read_bytes_per_s=r,
+                    d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, directory=folder, probe_bytes=nbytes,
+                    measured_at=time.time())
+    logger.info("offload bandwidths: %s", bw)
+    return bw
+
+
+def load_bandwidths(device: str | torch.device = "cpu", directory: str | None = None, *,
+                    cache_path: str | os.PathLike | None = None, refresh: bool = False) -> Bandwidths:
+    """Cached figures for (device, filesystem of ``directory``), probing once when missing."""
+    device = torch.device(device)
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    folder = Path(directory) if directory is not None else Path(__import__("tempfile").gettempdir())
+    key = f"{_device_key(device)}|{_fs_key(folder)}"
+    cache: dict = {}
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not refresh and key in cache:
+        try:
+            return Bandwidths(**cache[key])
+        except TypeError:
+            logger.debug("ignoring stale bandwidth cache entry %s", key)
+    bw = probe_bandwidths(device, directory)
+    cache[key] = asdict(bw)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache offload bandwidths in %s (%s); they will be probed again", path, exc)
+    return bw

@@ -1,0 +1,115 @@
+"""Module-level worker functions of the multi-process comm tests (spawned processes import them)."""
+
+from __future__ import annotations
+
+import torch
+
+from _comm_cases import make_input, reference
+
+
+def other_collectives(rank: int, world: int) -> list[str]:
+    """broadcast / all_gather / all_gather_into_tensor / reduce_scatter_tensor vs torch.distributed."""
+    import torch.distributed as tdist
+
+    import memrt.comm as dist
+
+    dist.setup_topology()
+    topo = dist.get_topology()
+    fails: list[str] = []
+    for numel, dtype in ((1, torch.float32), (7, torch.int64), (300007, torch.bfloat16)):
+        for src in (0, 3):
+            x = make_input(rank, numel, dtype, "SUM")
+            a, b = x.clone(), x.clone()
+            dist.broadcast(a, src=src)
+            tdist.broadcast(b, src=src)
+            if not torch.equal(a, b):
+                fails.append(f"broadcast {numel} {dtype} src={src}")
+        x = make_input(rank, numel, dtype, "SUM")
+        outs = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(outs, x)
+        flat = torch.empty(world * numel, dtype=dtype)
+        dist.all_gather_into_tensor(flat, x)
+        want = torch.cat([make_input(r, numel, dtype, "SUM") for r in range(world)])
+        if not torch.equal(torch.cat(outs), want) or not torch.equal(flat, want):
+            fails.append(f"all_gather {numel} {dtype}")
+        for op in ("SUM", "MAX", "AVG") if dtype.is_floating_point else ("SUM", "MIN"):
+            big = make_input(rank, numel * world, dtype, op)
+            out = torch.empty(numel, dtype=dtype)
+            w = dist.reduce_scatter_tensor(out, big, op=getattr(dist.ReduceOp, op), async_op=True)
+            w.wait()
+            ref = reference([make_input(r, numel * world, dtype, op) for r in range(world)], topo.nodes, op)
+            mine_ref = ref[rank * numel:(rank + 1) * numel]
+            theirs = torch.empty(numel, dtype=dtype)
+            tdist.reduce_scatter_tensor(theirs, big.clone(), op=getattr(tdist.ReduceOp, op))
+            if not torch.equal(out, mine_ref):
+                fails.append(f"reduce_scatter {numel} {dtype} {op} vs reference")
+            if not torch.allclose(out.float(), theirs.float(), rtol=0.1, atol=0.1):
+                fails.append(f"reduce_scatter {numel} {dtype} {op} vs torch")
+    from memrt.profiling.recorder import get_recorder
+
+    algos = {(r.op, r.algorithm) for r in get_recorder().comm}
+    for need in (("broadcast", "hier"), ("all_gather", "hier"), ("reduce_scatter", "hier")):
+        if topo.is_uniform and need not in algos:
+            fails.append(f"no CommRecord for {need}: {sorted(algos)}")
+    return fails
+
+
+def _exact_model(seed: int) -> torch.nn.Module:
+    # parameters on a 1/8 grid in [-0.5, 0.5]: every gradient sum below is exact in float32
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randint(-4, 5, p.shape).float() / 8)
+    return m
+
+
+def ddp_bitwise(rank: int, world: int, steps: int = 3) -> list[str]:
+    """DDP + memrt hook vs plain DDP: parameters bitwise equal after ``steps`` SGD steps."""
+    import memrt.comm as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.setup_topology()
+    fails: list[str] = []
+    results = []
+    for use_hook in (False, True):
+        model = DDP(_exact_model(0), bucket_cap_mb=0.0005)  # several buckets
+        if use_hook:
+            dist.register_ddp_hook(model, compress="none")
+        opt = torch.optim.SGD(model.parameters(), lr=1 / 16)
+        g = torch.Generator().manual_seed(100 + rank)
+        grads = []
+        for _ in range(steps):
+            x = torch.randint(-2, 3, (4, 8), generator=g).float()
+            t = torch.randint(-1, 2, (4, 4), generator=g).float()
+            opt.zero_grad()
+            (model(x) * t).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        results.append(([p.detach().clone() for p in model.parameters()], grads))
+    (p0, g0), (p1, g1) = results
+    if not all(torch.equal(a, b) for a, b in zip(p0, p1)):
+        fails.append("parameters differ between DDP and DDP + memrt hook")
+    if not all(torch.equal(a, b) for s0, s1 in zip(g0, g1) for a, b in zip(s0, s1)):
+        fails.append("gradients differ between DDP and DDP + memrt hook")
+    if all(torch.equal(a, b) for a, b in zip(p0, _exact_model(0).parameters())):
+        fails.append("the model did not train")
+    from memrt.profiling.recorder import get_recorder
+
+    if not any(r.op == "all_reduce" and r.algorithm.startswith("hier") for r in get_recorder().comm):
+        fails.append("the hook did not run memrt's hierarchical all-reduce")
+    return fails
+
+
+def mismatch(rank: int, world: int) -> str:
+    """Rank 3 passes a different shape: every rank must get CollectiveMismatchError naming it."""
+    import memrt.comm as dist
+
+    dist.setup_topology()
+    dist.set_checks(True)
+    t = torch.zeros(5 if rank == 3 else 4)
+    try:
+        dist.all_reduce(t)
+    except dist.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,138 @@
+"""An ordinary GPT-style DDP training script, with no memrt in it (what users already have).
+
+    torchrun --nproc-per-node 4 tests/scripts/train_gpt_ddp.py --steps 200
+    MEMRT=1 torchrun --nproc-per-node 4 tests/scripts/train_gpt_ddp.py --steps 200   # memrt switched on
+
+Data: token sequences from a fixed random Markov chain (learnable, so the loss falls), different per
+rank and step, identical across runs. Rank 0 prints one JSON line:
+``{"tokens_per_s", "step_s", "peak_rss_mib", "final_loss", "steps", "world", ...}``.
+``--no-comm`` trains the same model on every rank at the same time without DDP or any collective
+during the steps (the compute-only bound); ``--comm-only`` times one all_reduce of the gradients' size
+per step (the communication alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def markov_batch(table: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = table.size(0)
+    toks = torch.empty(batch, seq + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+    for t in range(seq):
+        toks[:, t + 1] = torch.multinomial(table[toks[:, t]], 1, generator=gen).squeeze(1)
+    return toks[:, :-1], toks[:, 1:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=5, help="steps not timed")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-comm", action="store_true")
+    p.add_argument("--comm-only", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
+    n_params = sum(p.numel() for p in model.parameters())
+    table = torch.softmax(3.0 * torch.randn(args.vocab, args.vocab, generator=torch.Generator().manual_seed(1)), -1)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [markov_batch(table, args.batch, args.seq, gen) for _ in range(min(args.steps, 64))]
+
+    if args.comm_only:
+        buf = torch.ones(n_params)
+        times = []
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        loss_value = float("nan")
+    else:
+        net = model if args.no_comm else DDP(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=args.lr)
+        times, losses = [], []
+        for i in range(args.steps):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            logits = net(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        tail = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
+        dist.all_reduce(tail)
+        loss_value = float(tail) / world
+    step_s = torch.tensor(sum(times) / max(1, len(times)))
+    dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "tokens_per_s": world * args.batch * args.seq / float(step_s), "step_s": float(step_s),
+            "peak_rss_mib": float(peak), "final_loss": loss_value if math.isfinite(loss_value) else None,
+            "steps": args.steps, "world": world, "params": n_params,
+            "mode": "comm-only" if args.comm_only else "no-comm" if args.no_comm else "ddp"}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

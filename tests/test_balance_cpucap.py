@@ -1,0 +1,62 @@
+"""Slow-rank emulation: a cgroup CPU quota really slows a process, and the cgroup is removed afterwards."""
+
+import subprocess
+import sys
+
+import pytest
+
+from memrt.cluster import cpucap
+from memrt.cluster.cpucap import can_cap, cap_process, parse_cap_setting
+
+BUSY = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nprint(time.process_time())"
+
+
+def test_parse_cap_setting():
+    assert parse_cap_setting("1=0.5,3=0.25") == {1: 0.5, 3: 0.25}
+    assert parse_cap_setting(None) == {} and parse_cap_setting(" ") == {}
+    with pytest.raises(ValueError, match="MEMRT_CPU_CAP"):
+        parse_cap_setting("1:0.5")
+
+
+def test_cap_refuses_bad_values_and_says_why_not(monkeypatch):
+    with pytest.raises(ValueError, match="cpus"):
+        cap_process(None, 0.0)
+    with pytest.raises(ValueError, match="period_us"):
+        cap_process(None, 0.5, period_us=10)
+    monkeypatch.setattr(cpucap.os, "geteuid", lambda: 1000)
+    ok, why = can_cap()
+    assert not ok and "root" in why
+    with pytest.raises(PermissionError, match="needs root"):
+        cap_process(None, 0.5)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_cap_limits_cpu_time_and_cleans_up():
+    ok, why = can_cap()
+    if not ok:
+        pytest.skip(why)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)\n" + BUSY],
+                            stdout=subprocess.PIPE, text=True)
+    with cap_process(proc.pid, 0.25) as cap:
+        assert cap.path.is_dir()
+        assert str(proc.pid) in (cap.path / "cgroup.procs").read_text().split()
+        out, _ = proc.communicate(timeout=30)
+    cpu_s = float(out.strip())
+    # 1.5 s of wall-clock busy loop at 0.25 CPU: at most ~0.375 s of CPU (slack for the 20 ms periods)
+    assert cpu_s < 0.6, f"capped process used {cpu_s:.2f} s of CPU in 1.5 s"
+    assert not cap.path.exists()
+
+
+@pytest.mark.root
+def test_cap_self_and_release_returns_to_origin():
+    ok, why = can_cap()
+    if not ok:
+        pytest.skip(why)
+    cap = cap_process(None, 0.5)
+    origin = cap.origin
+    assert str(cap.pid) in (cap.path / "cgroup.procs").read_text().split()
+    cap.close()
+    assert str(cap.pid) in (origin / "cgroup.procs").read_text().split()
+    assert not cap.path.exists()
+    assert cpucap.remove_stale_caps() == 0

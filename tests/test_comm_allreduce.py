@@ -1,0 +1,82 @@
+"""memrt.comm.all_reduce (hierarchical, pipelined) vs torch.distributed and the documented reference order.
+
+4 real processes on loopback (gloo). Nodes are faked: MEMRT_TOPOLOGY="0,1,2;3" (uneven) for the public
+``memrt.comm.all_reduce`` path, and ``"0,1;2,3"`` given to ``hierarchical_all_reduce`` directly in the
+same processes (one process group for every case keeps the test fast). Integers must equal
+torch.distributed's all_reduce bit for bit; floats must equal the reference order of
+tests/_comm_cases.py bit for bit (and be close to torch's, whose ring order differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memrt.testing import run_processes
+
+from _comm_cases import DTYPES, MIB64, OPS, make_input, reference
+
+SMALL_SIZES = (1, 7, 1000003)
+
+
+def _compare(tag, mine, ref, theirs, dtype, failures):
+    if not torch.equal(mine, ref):
+        bad = (mine != ref).nonzero()[:3].flatten().tolist()
+        failures.append(f"{tag}: differs from the reference order at {bad}")
+    if dtype.is_floating_point:
+        tol = 1e-5 if dtype == torch.float32 else 0.1
+        if not torch.allclose(mine.float(), theirs.float(), rtol=tol, atol=tol):
+            failures.append(f"{tag}: not close to torch.distributed's")
+    elif not torch.equal(mine, theirs):
+        failures.append(f"{tag}: differs from torch.distributed's")
+
+
+def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other_nodes, chunk_bytes: int) -> list[str]:
+    import torch.distributed as tdist
+
+    import memrt.comm as dist
+    from memrt.comm import algorithms
+    from memrt.comm.topology import Topology
+
+    dist.setup_topology()
+    topo = dist.get_topology()
+    other = Topology.from_nodes(other_nodes, rank)
+    failures = []
+    for i, (numel, dtname, op) in enumerate(cases):
+        dtype = getattr(torch, dtname)
+        x = make_input(rank, numel, dtype, op)
+        if op == "AVG" and not dtype.is_floating_point:
+            try:
+                dist.all_reduce(x.clone(), op=dist.ReduceOp.AVG)
+                failures.append(f"{numel} {dtname} AVG: no error")
+            except TypeError:
+                pass
+            continue
+        theirs = x.clone()
+        tdist.all_reduce(theirs, op=getattr(tdist.ReduceOp, op))
+        inputs = [make_input(r, numel, dtype, op) for r in range(world)]
+        # public path, MEMRT_TOPOLOGY nodes; every other case async
+        mine = x.clone()
+        work = dist.all_reduce(mine, op=getattr(dist.ReduceOp, op), async_op=bool(i % 2))
+        if work is not None:
+            work.wait()
+        _compare(f"{numel} {dtname} {op} nodes={topo.nodes}", mine, reference(inputs, topo.nodes, op), theirs, dtype,
+                 failures)
+        # direct call, the other topology, small chunks so the pipeline runs over many chunks
+        mine = x.clone()
+        algorithms.hierarchical_all_reduce(mine, op, other, chunk_bytes=chunk_bytes)
+        _compare(f"{numel} {dtname} {op} nodes={other.nodes}", mine, reference(inputs, other.nodes, op), theirs,
+                 dtype, failures)
+    return failures
+
+
+def _all_cases():
+    return [(n, str(d).replace("torch.", ""), op) for n in SMALL_SIZES for d in DTYPES for op in OPS]
+
+
+@pytest.mark.slow
+def test_every_op_dtype_and_size_on_even_and_uneven_nodes():
+    cases = _all_cases() + [(MIB64 // 4, "float32", "SUM")]
+    out = run_processes(_check_cases, 4, cases, ((0, 1), (2, 3)), 256 * 1024,
+                        env={"MEMRT_TOPOLOGY": "0,1,2;3", "MEMRT_COMM": "hier"}, timeout=300)
+    assert out == [[]] * 4, "\n".join(out[0])
