@@ -14,7 +14,9 @@ Scenarios (every rank: gloo on loopback, ``torch.set_num_threads(1)``; an MLP, S
 Both modes train copies of one model on the same global batches, alternating phases of a few steps
 (one untimed warm-up phase each); the ratio is memrt samples/s / stock samples/s, and the largest
 parameter difference between the two modes after the run is printed as a check.
-Without root the slow rank is emulated by a sleep per sample in forward (printed as such).
+Without root the slow rank is emulated by a sleep per sample in forward (printed as such). On a machine
+shared with other work, ``--priority 8`` gives every rank's cgroup 8x the default CPU weight, so the
+uncapped ranks keep about a full CPU and the caps alone make the slow rank slow.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ def _memory_model(spec: Spec) -> tuple[int, float]:
     return fixed, per_sample
 
 
-def _scenario(name: str, quick: bool, capped: bool) -> tuple[Spec, int, dict[str, str], dict]:
+def _scenario(name: str, quick: bool, capped: bool, priority: float) -> tuple[Spec, int, dict[str, str], dict]:
     if name == "pair":
         spec = Spec(global_batch=128 if quick else 256, phase_steps=4 if quick else 6, phases=2 if quick else 4,
                     width=512, depth=4, rebalance_every=3)
         slow = {1: 0.5}
-        return _finish(spec, 2, slow, capped, {})
+        return _finish(spec, 2, slow, capped, {}, priority=priority)
     spec = Spec(global_batch=128 if quick else 256, phase_steps=4 if quick else 6, phases=2 if quick else 4,
                 width=384, depth=4, rebalance_every=3, use_memrt_comm=True)
     world = 4
@@ -67,24 +69,28 @@ def _scenario(name: str, quick: bool, capped: bool) -> tuple[Spec, int, dict[str
         info[f"rank{rank}_budget_bytes"] = budget
     info["bytes_per_sample"] = per
     spec.max_samples = bounds
-    return _finish(spec, world, {3: 0.2}, capped, {"MEMRT_TOPOLOGY": "0,1,2;3"}, info)
+    return _finish(spec, world, {3: 0.2}, capped, {"MEMRT_TOPOLOGY": "0,1,2;3"}, info, priority=priority)
 
 
-def _finish(spec, world, slow, capped, env, info=None):
+def _finish(spec, world, slow, capped, env, info=None, *, priority=1.0):
     env = dict(env)
     info = dict(info or {})
     if capped:
-        env["MEMRT_CPU_CAP"] = ",".join(f"{r}={c}" for r, c in slow.items())
+        caps = {r: f"{slow[r]}@{priority}" if r in slow else f"max@{priority}" for r in range(world)}
+        if priority == 1.0:
+            caps = {r: str(c) for r, c in slow.items()}
+        env["MEMRT_CPU_CAP"] = ",".join(f"{r}={c}" for r, c in caps.items())
         info["slow"] = {r: f"cgroup cap {c} CPU" for r, c in slow.items()}
+        info["priority"] = priority
     else:  # emulate: a sleep per sample that makes the rank about 1/c times slower
         spec.delay_s_per_sample = {r: 0.0002 * (1 / c - 1) for r, c in slow.items()}
         info["slow"] = {r: f"sleep {d * 1e3:.2f} ms/sample (no root)" for r, d in spec.delay_s_per_sample.items()}
     return spec, world, env, info
 
 
-def run(name: str, quick: bool) -> dict:
+def run(name: str, quick: bool, priority: float = 1.0) -> dict:
     capped, why = can_cap()
-    spec, world, env, info = _scenario(name, quick, capped)
+    spec, world, env, info = _scenario(name, quick, capped, priority)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     res = run_processes(side_by_side, world, asdict(spec), env=env, timeout=600, pg_timeout_s=300)
@@ -169,13 +175,16 @@ def main(argv=None) -> int:
     p = base_parser(__doc__)
     p.add_argument("--scenario", choices=("pair", "mixed", "all"), default="all")
     p.add_argument("--gpu-check", action="store_true", help="run the CUDA checks of mixed device kinds and exit")
+    p.add_argument("--priority", type=float, default=1.0,
+                   help="CPU weight multiplier for every rank's cgroup (root): on a machine shared with other "
+                        "work, e.g. 8 keeps uncapped ranks near a full CPU so the caps set the speed ratio")
     args = p.parse_args(argv)
     info = machine_info()
     print(machine_line(info), flush=True)
     if args.gpu_check:
         return gpu_check()
     names = ("pair", "mixed") if args.scenario == "all" else (args.scenario,)
-    rows = [run(n, args.quick) for n in names]
+    rows = [run(n, args.quick, args.priority) for n in names]
     print_table(["scenario", "ranks (nodes)", "B", "stock samples/s", "memrt samples/s", "memrt/stock",
                  "final shares", "memory bound (samples)", "max param diff", "slow rank"],
                 [[r["scenario"], f"{r['world']} ({r['env'].get('MEMRT_TOPOLOGY', '1 node')})", r["global_batch"],

@@ -149,7 +149,7 @@ def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, h
     if topo.hierarchical_useful and _st.config.comm != "off" and not mpi_job:
         from memrt.comm.probe import attach_links  # issue 6: measured links (cached per topology)
 
-        topo = _st.topology = attach_links(topo)
+        topo = _st.topology = attach_links(topo, groups=_st.groups)
     return topo
 
 

@@ -76,6 +76,9 @@ class LinkModel:
     """Local reduction (sum) time per byte, seconds/byte."""
     codec_s_per_byte: dict[str, float] = field(default_factory=dict)
     """Encode + decode time per input byte of each codec (bf16, fp16, int8), seconds/byte."""
+    call_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Measured software overhead per call of each algorithm (flat, hier), seconds: the time of an
+    8-byte call minus its alpha terms (threads, staging, Python) — the algorithm's own latency."""
     topology_key: str = ""
     """Key of the topology this was measured on (the probe cache's file name)."""
     measured_at: str = ""
@@ -179,7 +182,7 @@ def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkMod
     """
     p = sum(len(n_) for n_ in nodes)
     link = model.intra if len(nodes) <= 1 or model.inter is None else _slowest(model.intra, model.inter)
-    return ring_all_reduce(p, n, link, model.gamma_s_per_byte)
+    return ring_all_reduce(p, n, link, model.gamma_s_per_byte) + model.call_overhead_s.get("flat", 0.0)
 
 
 def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel, *,
@@ -197,6 +200,7 @@ def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model:
     l_ranks = max(len(x) for x in nodes)
     gamma = model.gamma_s_per_byte
     t = ring_reduce_scatter(l_ranks, n, model.intra, gamma) + ring_all_gather(l_ranks, n, model.intra)
+    t += model.call_overhead_s.get("hier", 0.0)
     if m <= 1:
         return t
     inter = model.tier("inter")

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["PeerFailureError", "CollectiveMismatchError", "HealthMonitor", "signature", "check_signatures",
+__all__ = ["install_exit_guard", "PeerFailureError", "CollectiveMismatchError", "HealthMonitor", "signature", "check_signatures",
            "debug_mode"]
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class HealthMonitor:
         return self.store.get(key)
 
     def stale_peers(self) -> list[int]:
-        """Peers whose counter has not moved for ``stale_s`` (based on this monitor's observations)."""
+        """Peers whose counter has not moved for ``stale_s`` (dead, or exited after marking a failure)."""
         now = time.monotonic()
         stale = []
         for r in range(self.world_size):
@@ -169,12 +169,17 @@ class HealthMonitor:
             old = self._seen.get(r)
             if old is None or old[0] != value:
                 self._seen[r] = (value, now)
-            elif now - old[1] >= self.stale_s and not self._marked(r):
+            elif now - old[1] >= self.stale_s:
                 stale.append(r)
         return stale
 
+    def split_stale(self, stale: list[int]) -> tuple[list[int], list[int]]:
+        """(missing: died without a word, failed: exited after reporting a failure of their own)."""
+        failed = [r for r in stale if self._marked(r)]
+        return [r for r in stale if r not in failed], failed
+
     def _marked(self, r: int) -> bool:
-        return bool(self.store.check([f"memrt/hb/{r}/failed"]))
+        return bool(self.store.check([f"memrt/hb/{r}/failed"]) or self.store.check([f"memrt/hb/{r}/left"]))
 
     def mark_failed(self, reason: str) -> None:
         try:
@@ -183,17 +188,35 @@ class HealthMonitor:
             pass
 
     def missing_ranks(self, within_s: float | None = None) -> list[int] | None:
-        """Ranks that stopped beating (polls up to ``within_s``); None when the store itself is unreachable."""
-        within_s = self.stale_s + 2 * self.interval_s if within_s is None else within_s
+        """Ranks that stopped beating without reporting a failure (polls up to ``within_s``).
+
+        None when the store itself is unreachable.
+        """
+        within_s = self.stale_s + 3 * self.interval_s if within_s is None else within_s
         deadline = time.monotonic() + within_s
         try:
             while True:
-                stale = self.stale_peers()
-                if stale or time.monotonic() >= deadline:
-                    return stale
+                missing, _ = self.split_stale(self.stale_peers())
+                if missing or time.monotonic() >= deadline:
+                    return missing
                 time.sleep(min(self.interval_s / 2, 0.5))
         except Exception:  # noqa: BLE001 - store unreachable
             return None
+
+    def _linger(self, missing: list[int], within_s: float = 15.0) -> None:
+        """Keep this process (maybe the store's host) up until every live peer has finished its diagnosis."""
+        self.store.set(f"memrt/hb/{self.rank}/diagnosed", "1")
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                stale = set(self.stale_peers())
+                pending = [r for r in range(self.world_size) if r != self.rank and r not in missing
+                           and r not in stale and not self.store.check([f"memrt/hb/{r}/diagnosed"])]
+            except Exception:  # noqa: BLE001
+                return
+            if not pending:
+                return
+            time.sleep(0.2)
 
     def diagnose(self, op: str, exc: BaseException) -> PeerFailureError:
         """The error to raise after ``op`` failed with ``exc``: names the missing rank(s) when found."""
@@ -204,11 +227,26 @@ class HealthMonitor:
                    f"hosting it (rank 0 under env:// or tcp:// init, or the launcher) is gone ({exc})")
             return PeerFailureError(msg, (0,))
         if missing:
+            self.mark_failed(f"{op}: rank(s) {missing} are gone")
+        try:
+            self._linger(missing)
+        except Exception:  # noqa: BLE001
+            pass
+        install_exit_guard()
+        if missing:
             msg = (f"memrt.comm: {op} failed on rank {self.rank}: rank(s) {missing} are gone (no heartbeat for "
                    f"{self.stale_s:.0f} s); the job cannot continue ({type(exc).__name__}: {exc})")
         else:
             msg = f"memrt.comm: {op} failed on rank {self.rank}; every peer is still alive ({type(exc).__name__}: {exc})"
         return PeerFailureError(msg, missing)
+
+    def _peer_reports(self) -> list[tuple[int, str]]:
+        out = []
+        for r in range(self.world_size):
+            key = f"memrt/hb/{r}/failed"
+            if r != self.rank and self.store.check([key]):
+                out.append((r, self.store.get(key).decode(errors="replace")))
+        return out
 
     def _watchdog(self) -> None:
         with self._lock:
@@ -216,22 +254,61 @@ class HealthMonitor:
         if not inside:
             return
         name, since = min(inside, key=lambda x: x[1])
+        waited = time.monotonic() - since
+        msg = None
         try:
+            reports = self._peer_reports() if waited >= 2 * self.interval_s else []
+            named = [(r, why) for r, why in reports if "are gone" in why]
+            if named:
+                r, why = named[0]
+                msg = f"memrt.comm: rank {self.rank} stuck in {name}: {why.split(': ', 1)[-1]} (reported by rank {r})"
             stale = self.stale_peers()
         except Exception:  # noqa: BLE001
             stale, self.store_lost = None, True
-        if time.monotonic() - since < self.hang_s:
+        if msg is None and waited < self.hang_s:
             return
-        if stale is None:
+        if msg is not None:
+            pass
+        elif stale is None:
             msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s and the rendezvous store is "
                    "unreachable: the process hosting it (rank 0 or the launcher) is gone")
         elif stale:
-            msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {stale} are gone "
-                   f"(no heartbeat for {self.stale_s:.0f} s)")
+            missing, failed = self.split_stale(stale)
+            msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {missing} are gone "
+                   f"(no heartbeat for {self.stale_s:.0f} s)" if missing else
+                   f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {failed} left after "
+                   "a failure")
         else:
             return
-        logger.error(msg)
         print(msg, file=sys.stderr, flush=True)
         if self.exit_on_hang:
             self.mark_failed(f"hang in {name}")
             os._exit(1)
+
+
+_guard_installed = False
+
+
+def install_exit_guard(grace_s: float = 20.0) -> None:
+    """After an uncaught PeerFailureError, end the process if interpreter shutdown hangs for ``grace_s``.
+
+    Shutdown joins threads; one blocked on a socket to a dead peer would hold the process forever.
+    """
+    global _guard_installed
+    if _guard_installed:
+        return
+    _guard_installed = True
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        if isinstance(exc, PeerFailureError):
+            def guard() -> None:
+                time.sleep(grace_s)
+                print(f"memrt.comm: shutdown after {exc_type.__name__} hung for {grace_s:.0f} s; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+            threading.Thread(target=guard, name="memrt-exit-guard", daemon=True).start()
+
+    sys.excepthook = hook

@@ -139,7 +139,32 @@ def _local_rates(nbytes: int = 4 << 20) -> list[float]:
     return rates
 
 
-def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = "") -> LinkModel:
+def _time_call(fn, reps: int = 5) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for rep in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _call_overheads(topology, groups) -> list[float]:
+    """Seconds of an 8-byte flat (torch) and hierarchical (memrt) all-reduce on this rank."""
+    import torch.distributed as dist
+
+    from memrt.comm.algorithms import hierarchical_all_reduce
+
+    x = torch.ones(2)
+    return [_time_call(lambda: dist.all_reduce(x)),
+            _time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups))]
+
+
+def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = "", topology=None,
+                groups=None) -> LinkModel:
     """Run the probe on every rank of ``group`` (collective); return the fitted model (same on all ranks)."""
     import torch.distributed as dist
 
@@ -174,6 +199,9 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     for size in INTER_SIZES if multi else ():
         results.append(_time_pattern(inter_shared, size, group))
     results.extend(_local_rates())
+    with_overheads = topology is not None and groups is not None and group is None
+    if with_overheads:
+        results.extend(_call_overheads(topology, groups))
     vec = torch.tensor(results, dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     vals = vec.tolist()
@@ -197,7 +225,16 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
         intra = inter if inter is not None else TierLink(alpha_s=0.0, beta_s_per_byte=0.0)
     gamma = vals[i]
     codec = dict(zip(CODECS, vals[i + 1:i + 1 + len(CODECS)]))
+    i += 1 + len(CODECS)
+    overhead: dict[str, float] = {}
+    if with_overheads:
+        from memrt.comm import costmodel as cm
+
+        bare = LinkModel(intra=intra, inter=inter)
+        overhead = {"flat": max(0.0, vals[i] - cm.flat_all_reduce(nodes, 8, bare)),
+                    "hier": max(0.0, vals[i + 1] - cm.hierarchical_all_reduce(nodes, 8, bare))}
     model = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma, codec_s_per_byte=codec, topology_key=key,
+                      call_overhead_s=overhead,
                       measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                       probe_seconds=time.perf_counter() - t_start)
     logger.info("probed links in %.2fs: %s", model.probe_seconds, model)
@@ -205,7 +242,8 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
 
 
 def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str] = (), *, group=None,
-                      cache_dir: str | Path | None = None, force: bool = False) -> tuple[LinkModel, bool]:
+                      cache_dir: str | Path | None = None, force: bool = False, topology=None,
+                      groups=None) -> tuple[LinkModel, bool]:
     """The link model for this job: from this process's memo, the cache (rank 0 reads, broadcasts), or a probe.
 
     Collective over ``group``. Returns (model, probed) where ``probed`` says a probe ran now.
@@ -232,7 +270,7 @@ def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence
         model = LinkModel.from_json(msg[0])
         _MEMO[key] = model
         return model, False
-    model = probe_links(nodes, group=group, key=key)
+    model = probe_links(nodes, group=group, key=key, topology=topology, groups=groups)
     _MEMO[key] = model
     if dist.get_rank(group) == 0:
         try:
@@ -246,9 +284,12 @@ def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence
     return model, True
 
 
-def attach_links(topology, *, group=None, cache_dir: str | Path | None = None):
-    """``topology`` with ``links`` set to this job's measured :class:`LinkModel` (collective; probes once)."""
+def attach_links(topology, *, groups=None, cache_dir: str | Path | None = None):
+    """``topology`` with ``links`` set to this job's measured :class:`LinkModel` (collective; probes once).
+
+    ``groups`` (memrt.comm's hierarchical groups) lets the probe time an 8-byte call of each algorithm."""
     import dataclasses
 
-    model, _ = ensure_link_model(topology.nodes, topology.device_kinds, group=group, cache_dir=cache_dir)
+    model, _ = ensure_link_model(topology.nodes, topology.device_kinds, cache_dir=cache_dir, topology=topology,
+                                 groups=groups)
     return dataclasses.replace(topology, links=model)

@@ -53,6 +53,10 @@ def plot_memory(timelines: Mapping[int, Mapping[str, Any]], path: str | os.PathL
         xs = [p["t_s"] for p in pts]
         ys = [p["live_bytes"] / _MIB for p in pts]
         (line,) = ax.step(xs, ys, where="post", label=f"rank {rank}", linewidth=1.2)
+        bounds = [p["t_s"] for p in pts if p["kind"] in ("unit_begin", "unit_end")]
+        if bounds:  # unit boundaries as a rug along the bottom
+            ax.plot(bounds, [0.0] * len(bounds), "|", color=line.get_color(), markersize=8, alpha=0.6,
+                    label=f"unit boundaries (rank {rank})")
         for kind, marker in (("recompute", "^"), ("offload", "v"), ("prefetch", "o")):
             sel = [(p["t_s"], p["live_bytes"] / _MIB) for p in pts if p["kind"] == kind]
             if sel:

@@ -88,7 +88,16 @@ class MemoryTimeline:
         pts = self.points
         if max_points is not None and len(pts) > max_points:
             stride = -(-len(pts) // max_points)
-            pts = pts[::stride]
+            peaks = {(s.step, s.peak_bytes) for s in self.steps}
+            keep, seen = [], set()
+            for i, p in enumerate(pts):  # every stride-th point, plus each step's peak point
+                key = (p.step, p.live_bytes)
+                is_peak = key in peaks and key not in seen
+                if is_peak:
+                    seen.add(key)
+                if i % stride == 0 or is_peak:
+                    keep.append(p)
+            pts = keep
         return {"points": [asdict(p) for p in pts], "steps": [asdict(s) for s in self.steps],
                 "peak": asdict(self.peak) if self.peak else None}
 

@@ -90,11 +90,12 @@ def _json_safe(value: Any) -> Any:
 def chrome_trace(ranks: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Chrome trace (``{"traceEvents": [...]}``) of one loaded rank file or several (pid = rank)."""
     ranks = [ranks] if isinstance(ranks, Mapping) else list(ranks)
-    base = min((r.get("t0_unix") or 0.0) for r in ranks) if ranks else 0.0
+    aligned = bool(ranks) and all(r.get("t0_unix") for r in ranks)
+    base = min(r["t0_unix"] for r in ranks) if aligned else 0.0
     events: list[dict[str, Any]] = []
     for data in ranks:
         pid = int(data.get("rank", 0))
-        shift_us = ((data.get("t0_unix") or base) - base) * 1e6
+        shift_us = (data["t0_unix"] - base) * 1e6 if aligned else 0.0
         t0_perf = data.get("t0_perf")
 
         def ev(**kw: Any) -> None:

@@ -12,7 +12,8 @@ BUSY = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nprint(t
 
 
 def test_parse_cap_setting():
-    assert parse_cap_setting("1=0.5,3=0.25") == {1: 0.5, 3: 0.25}
+    assert parse_cap_setting("1=0.5,3=0.25") == {1: (0.5, 1.0), 3: (0.25, 1.0)}
+    assert parse_cap_setting("0=max@4,1=0.5@4") == {0: (None, 4.0), 1: (0.5, 4.0)}
     assert parse_cap_setting(None) == {} and parse_cap_setting(" ") == {}
     with pytest.raises(ValueError, match="MEMRT_CPU_CAP"):
         parse_cap_setting("1:0.5")

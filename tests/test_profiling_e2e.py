@@ -20,7 +20,7 @@ import pytest
 from memrt.testing import run_processes
 
 SIZES_BYTES = (4096, 65536, 1048576)
-ITERS = 12
+ITERS = 20
 STEPS = 3
 N_LAYER = 3
 
@@ -116,7 +116,7 @@ def _rank_run(rank, world, out_dir):
         for nbytes in SIZES_BYTES:
             x = torch.full((nbytes // 4,), float(rank))
             if rank == 1:
-                time.sleep(0.002)  # rank 1 arrives late: the straggler view must name it
+                time.sleep(0.005)  # rank 1 arrives late: the straggler view must name it
             both("all_reduce", x, lambda: dist.all_reduce(x), redop=dist.ReduceOp.SUM)
             both("broadcast", x, lambda: dist.broadcast(x, 0))
             out = torch.empty(nbytes // 4 * world)
@@ -140,9 +140,10 @@ def _rank_run(rank, world, out_dir):
             kept = dict(live.saved)  # bytes each unit saved for backward (what a plan's 'keep' holds)
             marker.phase("backward")
             loss.backward()
-            with memrt_range("grad_sync"):
+            with memrt_range("grad_sync"):  # four equal buckets, like DDP's gradient buckets
                 flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-                both("all_reduce", flat, lambda: dist.all_reduce(flat), redop="sum")
+                for bucket in flat[: flat.numel() // 4 * 4].chunk(4):
+                    both("all_reduce", bucket, lambda: dist.all_reduce(bucket), redop="sum")
             marker.phase("optimizer")
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -206,10 +207,10 @@ def test_two_ranks_report_tables_json_pngs_and_traces(run_dir, capsys):
         ref = [sum(v) / len(v) * 1e6 for v in (res["independent"][f"{op}/{size}"] for res in results)]
         assert abs(row["time_us"] - sum(ref) / 2) <= 0.10 * sum(ref) / 2
 
-    # stragglers: rank 1 sleeps before each small collective group, so it enters last
+    # stragglers: rank 1 sleeps before each all_reduce of the loop, so it enters last
     stragglers = {s["rank"]: s for s in report["comm"]["stragglers"]}
-    assert stragglers[1]["last_arrivals"] > stragglers[0]["last_arrivals"]
-    assert stragglers[1]["mean_lateness_us"] > 500
+    assert stragglers[1]["last_arrivals"] > stragglers[0]["last_arrivals"], stragglers
+    assert stragglers[1]["mean_lateness_us"] > 1000, stragglers
 
     # memory: steps, fixed vs activation, peak at the end of the last block's forward
     for rank, res in enumerate(results):

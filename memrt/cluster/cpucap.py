@@ -10,7 +10,8 @@ runs are removed by the next cap (:func:`remove_stale_caps`).
 :func:`can_cap` says why capping is impossible (not root, no writable cgroup2 with the ``cpu``
 controller and no cgroup v1 ``cpu`` hierarchy); tests skip on its reason.
 
-A rank can cap itself from the internal setting ``MEMRT_CPU_CAP`` (``"1=0.5,3=0.25"``: rank -> CPUs),
+A rank can cap itself from the internal setting ``MEMRT_CPU_CAP`` (``"1=0.5,3=0.25"``: rank -> CPUs;
+``"0=max@4,1=0.5@4"``: no quota / 0.5 CPU, both at 4x the default CPU weight),
 see :func:`cap_from_setting`; memrt's tests and benchmarks pass it to their children.
 """
 
@@ -112,30 +113,36 @@ def remove_stale_caps() -> int:
 class CpuCap:
     """A live cap: ``pid`` runs at most ``cpus`` CPUs. ``close()`` lifts it and removes the cgroup."""
 
-    def __init__(self, pid: int, cpus: float, period_us: int, hierarchy: _Hierarchy) -> None:
+    def __init__(self, pid: int, cpus: float | None, period_us: int, hierarchy: _Hierarchy,
+                 priority: float = 1.0) -> None:
         self.pid = pid
         self.cpus = cpus
         self.period_us = period_us
+        self.priority = priority
         self.hierarchy = hierarchy
         self.origin = _cgroup_of(pid, hierarchy)
         self.path = hierarchy.root / f"{_PREFIX}{pid}-{uuid.uuid4().hex[:6]}"
         self._closed = False
-        quota_us = max(1000, int(round(cpus * period_us)))  # the kernel's minimum quota is 1 ms
+        quota_us = None if cpus is None else max(1000, int(round(cpus * period_us)))  # kernel minimum: 1 ms
         if hierarchy.version == 2:
             self._enable_cpu_controller()
         self.path.mkdir()
         try:
             if hierarchy.version == 2:
-                (self.path / "cpu.max").write_text(f"{quota_us} {period_us}")
+                (self.path / "cpu.max").write_text(f"{'max' if quota_us is None else quota_us} {period_us}")
+                if priority != 1.0:  # cpu.weight: default 100, range 1..10000
+                    (self.path / "cpu.weight").write_text(str(max(1, min(10000, round(100 * priority)))))
             else:
                 (self.path / "cpu.cfs_period_us").write_text(str(period_us))
-                (self.path / "cpu.cfs_quota_us").write_text(str(quota_us))
+                (self.path / "cpu.cfs_quota_us").write_text(str(-1 if quota_us is None else quota_us))
+                if priority != 1.0:  # cpu.shares: default 1024, range 2..262144
+                    (self.path / "cpu.shares").write_text(str(max(2, min(262144, round(1024 * priority)))))
             (self.path / "cgroup.procs").write_text(str(pid))
         except OSError:
             self.path.rmdir()
             raise
-        logger.info("capped pid %d at %.2f CPU (quota %d us per %d us, cgroup v%d)", pid, cpus, quota_us,
-                    period_us, hierarchy.version)
+        logger.info("capped pid %d at %s CPU (quota %s us per %d us, priority %.1fx, cgroup v%d)", pid,
+                    "no" if cpus is None else f"{cpus:.2f}", quota_us, period_us, priority, hierarchy.version)
 
     def _enable_cpu_controller(self) -> None:
         control = self.hierarchy.root / "cgroup.subtree_control"
@@ -176,36 +183,44 @@ class CpuCap:
             pass
 
 
-def cap_process(pid: int | None = None, cpus: float = 0.5, *, period_us: int = 20_000) -> CpuCap:
-    """Cap ``pid`` (default: this process) at ``cpus`` CPUs (0.5 = half of one CPU).
+def cap_process(pid: int | None = None, cpus: float | None = 0.5, *, period_us: int = 20_000,
+                priority: float = 1.0) -> CpuCap:
+    """Cap ``pid`` (default: this process) at ``cpus`` CPUs (0.5 = half of one CPU; None = no quota).
 
     ``period_us`` is the quota period (1000..1_000_000 us); a short period spreads the throttling
-    evenly over a training step. Raises ``PermissionError`` with the reason when capping is impossible.
+    evenly over a training step. ``priority`` multiplies the cgroup's CPU weight (1.0 = like any other
+    process): on a machine shared with other work, giving every rank of an emulated cluster the same
+    higher priority keeps an uncapped rank near a full CPU, so the cap alone sets the speed ratio.
+    Raises ``PermissionError`` with the reason when capping is impossible.
     """
-    if not 0.01 <= cpus <= 1024:
-        raise ValueError(f"cpus={cpus!r} is not valid: expected a CPU count between 0.01 and 1024")
+    if cpus is not None and not 0.01 <= cpus <= 1024:
+        raise ValueError(f"cpus={cpus!r} is not valid: expected a CPU count between 0.01 and 1024, or None")
+    if not 0.01 <= priority <= 100:
+        raise ValueError(f"priority={priority!r} is not valid: expected a weight multiplier between 0.01 and 100")
     if not 1000 <= period_us <= 1_000_000:
         raise ValueError(f"period_us={period_us!r} is not valid: expected 1000..1000000 microseconds")
     hierarchy, why = _find_hierarchy()
     if hierarchy is None:
         raise PermissionError(f"cannot cap CPU share: {why}")
     remove_stale_caps()
-    return CpuCap(os.getpid() if pid is None else pid, cpus, period_us, hierarchy)
+    return CpuCap(os.getpid() if pid is None else pid, cpus, period_us, hierarchy, priority)
 
 
-def parse_cap_setting(raw: str | None) -> dict[int, float]:
-    """``"1=0.5,3=0.25"`` -> {1: 0.5, 3: 0.25}; empty or None -> {}."""
-    out: dict[int, float] = {}
+def parse_cap_setting(raw: str | None) -> dict[int, tuple[float | None, float]]:
+    """``"1=0.5,3=0.25@4,0=max@4"`` -> {rank: (cpus or None, priority)}; empty or None -> {}."""
+    out: dict[int, tuple[float | None, float]] = {}
     if not raw or not raw.strip():
         return out
     for item in raw.split(","):
-        rank, sep, cpus = item.partition("=")
+        rank, sep, value = item.partition("=")
+        cpus, _, prio = value.partition("@")
         try:
             if not sep:
                 raise ValueError
-            out[int(rank)] = float(cpus)
+            out[int(rank)] = (None if cpus.strip() == "max" else float(cpus), float(prio) if prio else 1.0)
         except ValueError:
-            raise ValueError(f"MEMRT_CPU_CAP={raw!r} is not valid: expected rank=cpus pairs like 1=0.5,3=0.25")
+            raise ValueError(f"MEMRT_CPU_CAP={raw!r} is not valid: expected rank=cpus[@priority] pairs like "
+                             "1=0.5,3=0.25 or 0=max@4,1=0.5@4") from None
     return out
 
 
@@ -214,4 +229,5 @@ def cap_from_setting(rank: int, *, period_us: int = 20_000) -> CpuCap | None:
     caps = parse_cap_setting(internal_setting("MEMRT_CPU_CAP"))
     if rank not in caps:
         return None
-    return cap_process(None, caps[rank], period_us=period_us)
+    cpus, priority = caps[rank]
+    return cap_process(None, cpus, period_us=period_us, priority=priority)

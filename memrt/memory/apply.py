@@ -36,7 +36,7 @@ class Instrumentation:
 
     def __init__(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, unit_call: UnitCall,
                  on_step: Callable[[tuple, dict], None] | None = None) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # weak: registries keyed by the model hold this object
         self.units = list(units)
         self.unit_call = unit_call
         self.on_step = on_step
@@ -89,7 +89,8 @@ class ApplyContext:
     """What handlers may need: the model, its device, offload settings, shared engines."""
 
     def __init__(self, model: nn.Module, device: torch.device, offload_dir: str | None = None) -> None:
-        self.model, self.device, self.offload_dir = model, device, offload_dir
+        self._model = weakref.ref(model)
+        self.device, self.offload_dir = device, offload_dir
         self.engines: dict[str, Any] = {}
 
     def engine(self, tier: str) -> Any:
@@ -99,7 +100,7 @@ class ApplyContext:
                 from memrt.memory.offload import OffloadEngine
             except ImportError as exc:
                 raise RuntimeError("this plan offloads but memrt.memory.offload is not available") from exc
-            self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self.model)
+            self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self._model())
         return self.engines[tier]
 
     def close(self) -> None:
@@ -173,7 +174,6 @@ class ApplyHandle:
                  unit_call: UnitCall | None = None) -> None:
         from memrt.memory.profile import model_device
 
-        self.model = model
         self.plan = plan
         self.context = ApplyContext(model, model_device(model), offload_dir)
         self._handlers: dict[str, ActionHandler] = {}

@@ -39,7 +39,7 @@ MAX_TRIES = 3
 class _State:
     def __init__(self, model: nn.Module, budget_bytes: int | None, *, units: Sequence[str] | None,
                  offload: str, cache: PlanCache, offload_dir: str | None) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
         self.budget = budget_bytes
         self.offload = offload
         self.cache = cache
@@ -80,7 +80,7 @@ class _State:
             self.handle.set_plan(entry.plan)
             return
         # profile this step: every unit recomputed
-        self.session = ProfileSession(self.model, self.units, device=self.device)
+        self.session = ProfileSession(self._model(), self.units, device=self.device)
         self.session.profile.signature = sig
         self.handle._override = self.session.unit_call
         self.session.begin((args, kwargs))

@@ -182,7 +182,7 @@ class ProfileSession:
     """Measures one step; the instrumentation calls :meth:`unit_call` for every unit call."""
 
     def __init__(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, device: torch.device) -> None:
-        self.model, self.units, self.device = model, list(units), device
+        self.units, self.device = list(units), device
         self.meter: Meter = make_meter(device)
         self.profile = Profile(device=str(device), structure=structure_key(model, units))
         self.param_ids = set(_storage_ids(list(model.parameters()) + list(model.buffers())))

@@ -111,7 +111,7 @@ class IOThread:
 class _File:
     """The file of one unit call: byte ranges handed out in pack order."""
 
-    __slots__ = ("path", "fd", "size", "live", "sealed", "removed")
+    __slots__ = ("path", "fd", "size", "live", "sealed", "removed", "pending")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -120,6 +120,7 @@ class _File:
         self.live = 0
         self.sealed = False
         self.removed = False
+        self.pending = 0  # writes queued, not yet done
 
     def reserve(self, nbytes: int) -> int:
         offset = self.size
@@ -165,6 +166,7 @@ class DiskTier:
         entry.offset = file.reserve(entry.nbytes)
         entry.src = src_u8
         with self.cond:
+            file.pending += 1
             self.disk_bytes += entry.nbytes
             self.disk_peak_bytes = max(self.disk_peak_bytes, self.disk_bytes)
         return self.io.submit(lambda: self._write(entry), entry.nbytes)
@@ -255,7 +257,31 @@ class DiskTier:
         remove.always = True  # type: ignore[attr-defined]  # runs even after an I/O error
         self.io.submit(remove)
 
+    def wait_written(self, file: _File | None) -> float:
+        """Block until every write queued for ``file`` is done (bounds in-flight writes to one unit)."""
+        if file is None:
+            return 0.0
+        with self.cond:
+            if file.pending == 0:
+                return 0.0
+            t0 = time.perf_counter()
+            while file.pending > 0:
+                self.check()
+                self.cond.wait(timeout=1.0)
+                if time.perf_counter() - t0 > _WAIT_TIMEOUT_S:
+                    raise OffloadError(f"writing offloaded activations to {self.directory} took over "
+                                       f"{_WAIT_TIMEOUT_S:.0f} s")
+            return time.perf_counter() - t0
+
     def _write(self, entry) -> None:
+        try:
+            self._write_entry(entry)
+        finally:
+            with self.cond:
+                entry.file.pending -= 1
+                self.cond.notify_all()
+
+    def _write_entry(self, entry) -> None:
         src = entry.src
         if src is None or entry.freed:
             return

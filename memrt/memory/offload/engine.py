@@ -183,6 +183,7 @@ class OffloadEngine:
         self._closed = False
         self._by_storage: dict[int, _Entry] = {}
         self._order: list[_Group] = []
+        self._previous_sealed: _Group | None = None
         self._keep_ptrs: set[int] = set()
         self._n = dict(offloaded=0, dedup=0, small=0, param=0, hits=0, misses=0)
         self._wait_seconds = 0.0
@@ -247,8 +248,13 @@ class OffloadEngine:
             with self._lock:
                 if group.file is not None:
                     self._tier.seal(group.file)
+                previous = self._previous_sealed
+                self._previous_sealed = group
                 if group.live == 0 and group in self._order:
                     self._order.remove(group)
+            # bounded in-flight writes: while the next unit runs, only this unit's writes may be pending
+            if previous is not None and previous.file is not None:
+                self._wait_seconds += self._tier.wait_written(previous.file)
 
     def before_backward(self, unit_index: int) -> None:
         """Backward of unit ``unit_index`` is about to run: load it and prefetch the next ones needed."""

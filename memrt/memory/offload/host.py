@@ -146,6 +146,9 @@ class HostTier:
     def seal(self, file) -> None:
         pass
 
+    def wait_written(self, file) -> float:
+        return 0.0  # copies are stream-ordered; record_stream keeps sources until they are done
+
     def _timed(self):
         if not self.time_copies:
             return None

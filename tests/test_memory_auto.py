@@ -1,0 +1,248 @@
+"""memrt.auto end to end on CPU: bitwise-equal training, peak <= budget, disable, cache, errors."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memrt
+from memrt.memory.cache import PlanCache
+from memrt.profiling.cpu_tracker import CpuMemoryTracker
+from memrt.testing.models import GPT, ConvNet, GPTConfig, KwargsMLP, SharedBlockNet, gpt_batch, lm_loss
+
+GPT_CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=32, vocab_size=64, dropout=0.1)
+
+
+def _gpt():
+    return GPT(GPT_CFG), lambda s: gpt_batch(GPT_CFG, 4, seed=s), lm_loss
+
+
+def _data(shape):
+    def batch(s):
+        g = torch.Generator().manual_seed(100 + s)
+        return torch.randn(*shape, generator=g), None
+
+    return batch
+
+
+def _sq(out, _):
+    return out.square().mean()
+
+
+MODELS = {
+    "gpt": _gpt,
+    "convnet": lambda: (ConvNet(channels=8, n_blocks=4), _data((8, 3, 16, 16)), _sq),
+    "kwargs_mlp": lambda: (KwargsMLP(width=32, n_blocks=4), _data((64, 32)), _sq),
+    "shared_block": lambda: (SharedBlockNet(width=32, n_blocks=4), _data((64, 32)), _sq),
+}
+# SharedBlockNet's shared submodule is a unit too (called twice per step: two unit calls, one plan entry each)
+UNITS = {"shared_block": ["Sequential"]}
+
+
+def train(model, batch, loss_fn, steps, *, budget=None, units=None, cache=None):
+    """``steps`` optimizer steps; returns (grads of the last step, state_dict copy, peaks per step)."""
+    torch.manual_seed(1234)
+    if budget is not None:
+        memrt.auto(model, budget, units=units, offload="none", cache=cache or PlanCache())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = None
+    for s in range(steps):
+        opt.zero_grad()
+        x, y = batch(s)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        opt.step()
+        del loss
+    return grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def eager_peak(name):
+    """Peak of a plain step with optimizer state present (step 2), measured by the tracker."""
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(2):
+        opt.zero_grad()
+        x, y = batch(s)
+        gc.collect()
+        tr = CpuMemoryTracker().start()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        tr.stop()
+    return tr.peak_bytes
+
+
+def min_feasible(name):
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS[name]()
+    with pytest.raises(memrt.BudgetError) as info:
+        train(model, batch, loss_fn, 2, budget=1, units=UNITS.get(name))
+    memrt.disable(model)
+    return info.value.min_feasible_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bitwise_equal_at_90_60_and_min_feasible(name):
+    torch.manual_seed(0)
+    base, batch, loss_fn = MODELS[name]()
+    ref_grads, ref_state = train(copy.deepcopy(base), batch, loss_fn, 3)
+    peak = eager_peak(name)
+    mf = min_feasible(name)
+    budgets = {"90%": int(0.9 * peak), "60%": int(0.6 * peak), "min": mf}
+    assert mf < budgets["60%"], f"{name}: min feasible {mf} above 60% of the eager peak {peak}"
+    actions_seen = set()
+    for label, budget in budgets.items():
+        model = copy.deepcopy(base)
+        grads, state = train(model, batch, loss_fn, 3, budget=budget, units=UNITS.get(name))
+        plan = memrt.plan_of(model)
+        assert plan is not None and plan.budget_bytes == budget
+        assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget, (label, str(plan))
+        actions_seen |= {u.action for u in plan.units}
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), f"{name} @ {label}: {k} differs"
+        for g, r in zip(grads, ref_grads):
+            assert (g is None and r is None) or torch.equal(g, r), f"{name} @ {label}: gradient differs"
+        memrt.disable(model)
+    assert "recompute" in actions_seen
+
+
+def test_disable_restores_model_exactly():
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS["kwargs_mlp"]()
+    keys = list(model.state_dict().keys())
+    params = [id(p) for p in model.parameters()]
+    types = [(n, type(m)) for n, m in model.named_modules()]
+    dicts = [(n, set(m.__dict__)) for n, m in model.named_modules()]
+    hooks = [(n, len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in model.named_modules()]
+    train(model, batch, loss_fn, 3, budget=int(0.6 * eager_peak("kwargs_mlp")))
+    assert any(u.action == "recompute" for u in memrt.plan_of(model).units)
+    assert list(model.state_dict().keys()) == keys and [id(p) for p in model.parameters()] == params
+    memrt.disable(model)
+    assert memrt.plan_of(model) is None
+    assert [(n, type(m)) for n, m in model.named_modules()] == types
+    assert [(n, set(m.__dict__)) for n, m in model.named_modules()] == dicts
+    assert [(n, len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in model.named_modules()] == hooks
+    # a checkpoint saved with memrt on loads into a model without it
+    fresh = MODELS["kwargs_mlp"]()[0]
+    fresh.load_state_dict(model.state_dict())
+
+
+def test_new_input_shape_gets_own_plan_and_cache_skips_profiling():
+    torch.manual_seed(0)
+    model, _, loss_fn = MODELS["kwargs_mlp"]()
+    cache = PlanCache()
+    memrt.auto(model, 10**9, offload="none", cache=cache)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for shape in [(64, 32), (64, 32), (64, 32), (16, 32), (16, 32), (16, 32)]:
+        opt.zero_grad()
+        _sq(model(torch.randn(*shape)), None).backward()
+        opt.step()
+    model(torch.randn(1, 32)).sum().backward()  # closes the last measured step
+    assert len(cache) == 3
+    sigs = {p.plan.signature for p in cache._mem.values()}
+    assert any("(64, 32)" in s for s in sigs) and any("(16, 32)" in s for s in sigs)
+    # a second model of the same structure reuses the cached plan: step 1 is not profiled
+    other = copy.deepcopy(model)
+    memrt.disable(model)
+    memrt.auto(other, 10**9, offload="none", cache=cache)
+    import memrt.memory.auto as auto_mod
+
+    other(torch.randn(64, 32)).sum().backward()
+    st = auto_mod._STATES[other]
+    assert st.session is None and st.entry is not None and st.entry.plan.signature.startswith("(64, 32)")
+    memrt.disable(other)
+
+
+def test_budget_error_states_min_feasible():
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS["gpt"]()
+    with pytest.raises(memrt.BudgetError) as info:
+        train(model, batch, loss_fn, 2, budget=1000)
+    err = info.value
+    assert err.budget_bytes == 1000 and err.min_feasible_bytes > 1000
+    assert str(err.min_feasible_bytes) in str(err) and "MiB" in str(err)
+    memrt.disable(model)
+    # the stated minimum is itself feasible and holds
+    model2 = MODELS["gpt"]()[0]
+    train(model2, batch, loss_fn, 3, budget=err.min_feasible_bytes)
+    plan = memrt.plan_of(model2)
+    assert plan.measured_peak_bytes <= err.min_feasible_bytes
+    memrt.disable(model2)
+
+
+def test_no_budget_plans_for_speed():
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS["gpt"]()
+    ref_grads, _ = train(copy.deepcopy(model), batch, loss_fn, 2)
+    grads, _ = train(model, batch, loss_fn, 2, budget="100%")
+    assert all(u.action == "keep" for u in memrt.plan_of(model).units)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    memrt.disable(model)
+
+
+def test_eval_forward_is_untouched():
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS["gpt"]()
+    train(model, batch, loss_fn, 3, budget=int(0.6 * eager_peak("gpt")))
+    model.eval()
+    x, _ = batch(0)
+    with torch.no_grad():
+        a = model(x)
+    memrt.disable(model)
+    with torch.no_grad():
+        b = model(x)
+    assert torch.equal(a, b)
+
+
+class _TupleDictBlock(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.fc = nn.Linear(w, w)
+
+    def forward(self, x, *, gate=None):
+        h = torch.tanh(self.fc(x))
+        return {"h": h if gate is None else h * gate, "aux": (h.sum(), h.mean())}
+
+
+class _DictNet(nn.Module):
+    def __init__(self, w=16, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_TupleDictBlock(w) for _ in range(n))
+
+    def forward(self, x):
+        gate = torch.sigmoid(x.mean())
+        total = 0
+        for b in self.blocks:
+            out = b(x, gate=gate)
+            x = out["h"]
+            total = total + out["aux"][0] * 1e-3
+        return x.square().mean() + total
+
+
+def test_dict_outputs_kwargs_and_autocast_recompute():
+    torch.manual_seed(0)
+    base = _DictNet()
+    x = torch.randn(32, 16, requires_grad=True)
+
+    def run(model, use):
+        if use:
+            from memrt.memory.planner import Plan, UnitPlan
+
+            memrt.apply(model, Plan(units=[UnitPlan(name=f"blocks.{i}", action="recompute") for i in range(3)]))
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x)
+        loss.backward()
+        g = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+        memrt.disable(model)
+        return g
+
+    ref = run(copy.deepcopy(base), False)
+    got = run(copy.deepcopy(base), True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
