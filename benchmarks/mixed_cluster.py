@@ -52,12 +52,12 @@ def _memory_model(spec: Spec) -> tuple[int, float]:
 
 def _scenario(name: str, quick: bool, capped: bool, priority: float) -> tuple[Spec, int, dict[str, str], dict]:
     if name == "pair":
-        spec = Spec(global_batch=128 if quick else 256, phase_steps=4 if quick else 6, phases=2 if quick else 4,
+        spec = Spec(global_batch=512 if quick else 1024, phase_steps=3 if quick else 4, phases=2 if quick else 4,
                     width=512, depth=4, rebalance_every=3)
         slow = {1: 0.5}
         return _finish(spec, 2, slow, capped, {}, priority=priority)
-    spec = Spec(global_batch=128 if quick else 256, phase_steps=4 if quick else 6, phases=2 if quick else 4,
-                width=384, depth=4, rebalance_every=3, use_memrt_comm=True)
+    spec = Spec(global_batch=512 if quick else 1024, phase_steps=3 if quick else 4, phases=2 if quick else 4,
+                width=512, depth=4, rebalance_every=3, use_memrt_comm=True)
     world = 4
     uniform = spec.global_batch // world
     info = {}

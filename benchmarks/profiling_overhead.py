@@ -1,6 +1,6 @@
 """Profiling overhead: a GPT-style training step with memrt's profiling on vs off, same process.
 
-Command (full ~3 min on 2 cores; --quick < 60 s):
+Command (full ~3 min on 2 idle cores, 5 min at load 20; --quick < 60 s):
 
     cd /work/main && .venv/bin/python -m benchmarks.profiling_overhead [--quick] [--out DIR]
 
@@ -20,7 +20,9 @@ forward + loss + backward + a flat gradient all-reduce (gloo, world of 1: a real
 Printed per arm: median wall and CPU time (``time.process_time``, all threads) per step, and the ratio
 arm/off of each round (median, min, max over rounds). CPU time is the steadier measure on a shared
 machine: waiting for a core inflates wall time but not the work done. Target: ``on`` <= 1.03x on both.
---quick runs off/on only (12 rounds); the full run adds the tracker arm (40 rounds).
+``--device cuda`` (the GPU check) uses nccl, CUDA-event timing read lazily, ``memory_allocated`` as live
+bytes, and adds ``on+exact_timing`` (a device synchronize around each timed collective) to show its cost.
+--quick runs off/on only (10 rounds); the full run adds the tracker arm (40 rounds).
 """
 
 from __future__ import annotations
@@ -97,22 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__)
     parser.add_argument("--steps", type=int, default=None, help="steps per arm per round")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda: nccl, CUDA-event timing, "
+                        "memory_allocated live bytes, and an on+exact_timing arm)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default: %(default)s)")
     parser.add_argument("--no-tracker-arm", action="store_true", help="skip the on+cpu_tracker arm (always off in --quick)")
     args = parser.parse_args(argv)
     steps = args.steps or 2
-    rounds = args.rounds or (12 if args.quick else 40)
+    rounds = args.rounds or (10 if args.quick else 40)
     torch.set_num_threads(1)
     info = machine_info()
     print(machine_line(info), flush=True)
 
     store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     cfg = GPTConfig()
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = gpt_batch(cfg, args.batch)
+    x, y = gpt_batch(cfg, args.batch, device=device)
     rec = get_recorder()
     counter = _Counter()
 
@@ -121,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         return None, None
 
     def arm_on():
-        rec.configure(enabled=True)
-        return UnitMarker(model, live_bytes=lambda: counter.live_bytes), None
+        rec.configure(enabled=True, exact_timing=False)
+        return UnitMarker(model, live_bytes=None if cuda else (lambda: counter.live_bytes)), None
+
+    def arm_exact():
+        rec.configure(enabled=True, exact_timing=True)
+        return UnitMarker(model), None
 
     def arm_tracker():
         from memrt.profiling.cpu_tracker import CpuMemoryTracker
@@ -132,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return UnitMarker(model, live_bytes=lambda: tracker.live_bytes), tracker
 
     arms = {"off": arm_off, "on": arm_on}
-    if not (args.no_tracker_arm or args.quick):
+    if cuda:
+        arms["on+exact_timing"] = arm_exact
+    if not (args.no_tracker_arm or args.quick or cuda):
         arms["on+cpu_tracker"] = arm_tracker
     for _ in range(2):  # warm-up: allocator, AdamW state
         _step(model, opt, x, y, None, None)
@@ -140,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[str, list[float]] = {a: [] for a in arms}
     ratios = {kind: {a: [] for a in arms if a != "off"} for kind in ("wall", "cpu")}
     events_per_step = 0.0
+    comm_us: list[float] = []
     t_start = time.perf_counter()
     for r in range(rounds):
         names = list(arms)
@@ -148,13 +162,21 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             marker, tracker = arms[name]()
             rec.clear()
+            if cuda:
+                torch.cuda.synchronize()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(steps):
                 _step(model, opt, x, y, marker, None)
+            if cuda:
+                torch.cuda.synchronize()
             this_wall[name] = (time.perf_counter() - t0) / steps
             this_cpu[name] = (time.process_time() - c0) / steps
             if name == "on":
                 events_per_step = (len(rec.memory) + len(rec.trace) + len(rec.comm)) / steps
+                comm = rec.to_dict(0)["comm"]  # CUDA: resolves the event timings here, once
+                if any(c["seconds"] <= 0 for c in comm):
+                    raise RuntimeError("a timed collective has no positive time after resolution")
+                comm_us.extend(c["seconds"] * 1e6 for c in comm)
             if marker is not None:
                 marker.remove()
             if tracker is not None:
@@ -165,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios["wall"][name].append(this_wall[name] / this_wall["off"])
             ratios["cpu"][name].append(this_cpu[name] / this_cpu["off"])
     rec.clear()
-    rec.configure(enabled=True)
+    rec.configure(enabled=True, exact_timing=False)
     dist.destroy_process_group()
 
     rows = []
@@ -185,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     off_cpu = statistics.median(cpu["off"])
     print(f"profiling calls of one step replayed alone: {replay * 1e6:.0f} us = {replay / off_cpu:.2%} of the off "
           f"step's CPU time (best of 5 x 200; excludes the autograd nodes of backward hooks, included above)")
+    print(f"timed all-reduce in the on arm: median {statistics.median(comm_us):.0f} us over {len(comm_us)} calls "
+          f"({'CUDA events, read lazily' if cuda else 'wall clock'})")
     on_wall, on_cpu = statistics.median(ratios["wall"]["on"]), statistics.median(ratios["cpu"]["on"])
     print(f"profiling on (default) / off: wall {on_wall:.3f}x, CPU time {on_cpu:.3f}x (target <= 1.03x: "
           f"{'met' if max(on_wall, on_cpu) <= 1.03 else 'NOT met'}); {events_per_step:.0f} records per step; "

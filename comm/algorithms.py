@@ -133,7 +133,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
     k, j = g.topology.local_size, g.topology.local_rank
     ni = g.topology.node_index
 
-    rs: dict[int, tuple[Any, torch.Tensor]] = {}
+    shm = g.intra_shm if (g.intra_shm is not None and flat.device.type == "cpu") else None
+    rs: dict[int, tuple[Any, torch.Tensor | None]] = {}
     ar: dict[int, list[Any]] = {}
     ag: dict[int, tuple[Any, torch.Tensor]] = {}
 
@@ -147,6 +148,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
             return
         b = _bounds(x.numel(), k)
         sizes = [b[i + 1] - b[i] for i in range(k)]
+        if shm is not None:  # reduced straight from the peers' slabs into my shard
+            rs[c] = (shm.reduce_scatter_into(x[b[j]:b[j + 1]], x, sizes, opn), None)
+            return
         recv = torch.empty(k * sizes[j], dtype=x.dtype, device=x.device)
         rs[c] = (g.intra_rs.all_to_all(recv, x, [sizes[j]] * k, sizes), recv)
 
@@ -156,7 +160,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
         x = region(c)
         b = _bounds(x.numel(), k)
         mine = x[b[j]:b[j + 1]]
-        if g.intra_rs is not None and mine.numel():
+        if g.intra_rs is not None and recv is not None and mine.numel():
             _ordered_reduce(recv.view(k, -1), mine, opn)
         works = []
         for s, tier in g.inter.items():
@@ -178,6 +182,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
             ag[c] = (DONE, x)
             return
         b = _bounds(x.numel(), k)
+        if shm is not None:
+            ag[c] = (shm.all_gather_into_views([x[b[i]:b[i + 1]] for i in range(k)], x[b[j]:b[j + 1]]), None)
+            return
         width = b[1] - b[0] if x.numel() % k == 0 else -(-x.numel() // k)
         send = x[b[j]:b[j + 1]]
         if send.numel() != width:
@@ -190,7 +197,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
     def finish_ag(c: int) -> None:
         work, out = ag.pop(c)
         work.wait()
-        if g.intra_ag is None:
+        if g.intra_ag is None or out is None:
             return
         x = region(c)
         b = _bounds(x.numel(), k)
@@ -229,14 +236,15 @@ def hierarchical_broadcast(tensor: torch.Tensor, src: int, topology: Topology, *
     seg = next(s for s, sg in enumerate(g.segments) if sg.owners[ns] == src_local)
     relay_local = g.segments[seg].owners[topo.node_index]  # who receives for my node
     inter = g.inter.get(seg)
+    intra = g.intra_shm if (g.intra_shm is not None and flat.device.type == "cpu") else g.intra_ag
     chunk = max(1, chunk_bytes // max(flat.element_size(), 1))
     pending: list[Any] = []
     for c0 in range(0, n, chunk):
         x = flat[c0:c0 + chunk]
         if inter is not None and topo.num_nodes > 1:
             inter.broadcast(x, root=ns).wait()  # inter tier members are ordered by node
-        if g.intra_ag is not None:
-            pending.append(g.intra_ag.broadcast(x, root=relay_local))
+        if intra is not None:
+            pending.append(intra.broadcast(x, root=relay_local))
         if len(pending) > 2:
             pending.pop(0).wait()
     for w in pending:

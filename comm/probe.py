@@ -202,9 +202,11 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     with_overheads = topology is not None and groups is not None and group is None
     if with_overheads:
         results.extend(_call_overheads(topology, groups))
-    vec = torch.tensor(results, dtype=torch.float64)
+    # wall-clock stamp and elapsed time ride along, so every rank ends with the very same model
+    vec = torch.tensor(results + [time.time(), time.perf_counter() - t_start], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     vals = vec.tolist()
+    stamp, elapsed = vals[-2], vals[-1]
     i = 0
 
     def take(sizes):
@@ -235,8 +237,8 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
                     "hier": max(0.0, vals[i + 1] - cm.hierarchical_all_reduce(nodes, 8, bare))}
     model = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma, codec_s_per_byte=codec, topology_key=key,
                       call_overhead_s=overhead,
-                      measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                      probe_seconds=time.perf_counter() - t_start)
+                      measured_at=_dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat(timespec="seconds"),
+                      probe_seconds=elapsed)
     logger.info("probed links in %.2fs: %s", model.probe_seconds, model)
     return model
 

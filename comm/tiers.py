@@ -131,7 +131,9 @@ class HierGroups:
     inter: dict[int, Tier] = field(default_factory=dict)
     """Segment index -> inter-node tier, for the segments this rank owns (empty with one node)."""
     kind: str = "torch"
-    """'torch' or 'mpi'."""
+    """'torch', 'mpi' or 'mixed'."""
+    intra_shm: Any = None
+    """Shared-memory intra-node tier for CPU tensors (memrt.comm.shm.ShmTier), when the node is one host."""
 
     @property
     def slot_tier(self) -> Tier | None:
@@ -166,16 +168,40 @@ def build_groups(topology: Topology, make: Callable[[tuple[int, ...]], Tier | No
     return HierGroups(topology=topology, intra_rs=intra_rs, intra_ag=intra_ag, segments=segs, inter=inter, kind=kind)
 
 
-def torch_groups(topology: Topology) -> HierGroups:
-    """The torch.distributed groups of ``topology`` (collective on first use; cached)."""
+def _shm_eligible(topology: Topology) -> bool:
+    """Every node on one host (by discovered host name) and a gloo default backend: same on every rank."""
     import torch.distributed as dist
 
-    key = ("torch", topology.nodes, id(dist.distributed_c10d._get_default_group()))
+    from memrt.comm.shm import shm_available
+
+    if not topology.hosts or "gloo" not in str(dist.get_backend()).lower() or not shm_available():
+        return False
+    return all(len({topology.hosts[r].split("|")[0] for r in node}) == 1 for node in topology.nodes)
+
+
+def torch_groups(topology: Topology, *, shm: bool | None = None) -> HierGroups:
+    """The torch.distributed groups of ``topology`` (collective on first use; cached).
+
+    ``shm`` (default: when eligible) adds the shared-memory intra-node tier for CPU tensors.
+    """
+    import torch.distributed as dist
+
+    use_shm = _shm_eligible(topology) if shm is None else shm
+    key = ("torch", topology.nodes, use_shm, id(dist.distributed_c10d._get_default_group()))
     if key not in _CACHE:
         def make(ranks: tuple[int, ...]) -> Tier | None:
             pg = dist.new_group(list(ranks))
             return TorchTier(pg, ranks, topology.rank) if topology.rank in ranks else None
 
-        _CACHE[key] = build_groups(topology, make, "torch")
-        logger.debug("created hierarchical groups for %s", topology.nodes)
+        groups = build_groups(topology, make, "torch")
+        if use_shm:
+            from memrt.comm.shm import ShmTier
+
+            for node in topology.nodes:
+                if len(node) > 1:
+                    pg = dist.new_group(list(node), backend="gloo")
+                    if topology.rank in node:
+                        groups.intra_shm = ShmTier(pg, node, topology.rank)
+        _CACHE[key] = groups
+        logger.debug("created hierarchical groups for %s (shared memory: %s)", topology.nodes, use_shm)
     return _CACHE[key]

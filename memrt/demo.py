@@ -101,7 +101,7 @@ def worker_main(args: argparse.Namespace) -> int:
             step_s.append(dt)
     result = {"rank": rank, "world_size": world, "peak_bytes": peak, "start_bytes": start,
               "step_seconds": sum(step_s) / max(len(step_s), 1), "tokens_per_step": args.batch * cfg.seq_len,
-              "loss": float(loss.item()), "checksum": _checksum(model),
+              "loss": float(loss.item()), "checksum": _checksum(model),  # noqa: E501
               "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
               "plan": None, "plan_text": None, "tier_bytes": {}, "comm_calls": 0}
     try:
@@ -123,6 +123,10 @@ def worker_main(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - the stock run has no plan; report what there is
         result["plan_error"] = f"{type(exc).__name__}: {exc}"
     if args.calibrate:
+        import gc
+
+        del ddp, opt, model, x, y, loss  # the profile must see this rank's memory as the real run would
+        gc.collect()
         result.update(_calibrate(cfg, args.batch, rank, world))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))

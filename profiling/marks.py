@@ -93,6 +93,7 @@ class UnitMarker:
         self.live_bytes = live_bytes or default_live_bytes(device or next(units[0][1].parameters()).device)
         self.recorder = recorder or get_recorder()
         self._open: dict[tuple[str, str], list[tuple[float, Any]]] = {}
+        self._bw_pending: dict[str, list[bool]] = {}
         self._handles = []
         self.backward = backward
         for name, mod in units:
@@ -105,17 +106,19 @@ class UnitMarker:
     def _pre_hook(self, name: str) -> Callable[..., None]:
         def hook(_module: Any, args: Any) -> None:
             self.begin(name, "forward")
-            if self.backward and self._active():
-                t = _first_grad_tensor(args)
-                if t is not None:
-                    t.register_hook(lambda _g: self.end(name, "backward"))
+            t = _first_grad_tensor(args) if self.backward and self._active() else None
+            if t is not None:
+                t.register_hook(lambda _g: self.end(name, "backward"))
+            # without an input gradient the backward's end is invisible: then mark no backward at all
+            self._bw_pending.setdefault(name, []).append(t is not None)
 
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., None]:
         def hook(_module: Any, _args: Any, out: Any) -> None:
             self.end(name, "forward")
-            if self.backward and self._active():
+            pending = self._bw_pending.get(name)
+            if pending and pending.pop():
                 t = _first_grad_tensor(out)
                 if t is not None and t.grad_fn is not None:
                     # a node pre-hook runs after the tensor hooks of the same gradient, so the next

@@ -119,6 +119,17 @@ def test_capability_and_memory_bound():
         Capability(samples_per_s=0.0)
 
 
+def test_memory_bound_from_a_memrt_plan():
+    from memrt.balance import max_samples_from_plan
+    from memrt.memory.planner import Plan
+
+    plan = Plan(budget_bytes=1100, predicted_peak_bytes=500, margin_bytes=100)
+    assert max_samples_from_plan(plan, 10) == 20  # 50 bytes/sample (all of the peak scales), 1000 usable
+    plan.measured_peak_bytes = 1000
+    assert max_samples_from_plan(plan, 10) == 10
+    assert max_samples_from_plan(Plan(budget_bytes=None, predicted_peak_bytes=500), 10) is None
+
+
 def test_estimate_sample_bytes_is_linear_in_batch():
     import torch
     from torch import nn

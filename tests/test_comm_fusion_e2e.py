@@ -24,7 +24,7 @@ def _e2e(rank, world):
     out = {"links_probed": topo.links is not None and topo.links.inter is not None}
     probe.clear_memo()
     model2, probed = probe.ensure_link_model(topo.nodes, topo.device_kinds)
-    out["cache_hit"] = (not probed) and model2.to_json() == topo.links.to_json()
+    out["cache_hit"] = (not probed) and model2 == topo.links  # same model on every rank, loaded not probed
     out["t_probe"] = time.perf_counter() - t0
     rec = get_recorder()
 
@@ -105,7 +105,6 @@ def test_fusion_compression_ddp_ef_probe_cache_on_two_fake_nodes(tmp_path):
 
     res = run_processes(_e2e, 4, env={"MEMRT_TOPOLOGY": "0,1;2,3", "MEMRT_REPORT_DIR": str(tmp_path)}, timeout=240)
     assert list(tmp_path.glob("comm-links-*.json")), "probe result not cached"
-    print({k: v for k, v in res[0].items()})
     for r in res:
         assert r["links_probed"] and r["cache_hit"]
         assert r["coalesced_equal"] and r["coalesced_calls"] == 1  # 40 tensors, one collective

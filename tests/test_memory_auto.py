@@ -14,11 +14,11 @@ from memrt.memory.cache import PlanCache
 from memrt.profiling.cpu_tracker import CpuMemoryTracker
 from memrt.testing.models import GPT, ConvNet, GPTConfig, KwargsMLP, SharedBlockNet, gpt_batch, lm_loss
 
-GPT_CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=32, vocab_size=64, dropout=0.1)
+GPT_CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=64, vocab_size=64, dropout=0.1)
 
 
 def _gpt():
-    return GPT(GPT_CFG), lambda s: gpt_batch(GPT_CFG, 4, seed=s), lm_loss
+    return GPT(GPT_CFG), lambda s: gpt_batch(GPT_CFG, 16, seed=s), lm_loss
 
 
 def _data(shape):
@@ -36,8 +36,8 @@ def _sq(out, _):
 MODELS = {
     "gpt": _gpt,
     "convnet": lambda: (ConvNet(channels=8, n_blocks=4), _data((8, 3, 16, 16)), _sq),
-    "kwargs_mlp": lambda: (KwargsMLP(width=32, n_blocks=4), _data((64, 32)), _sq),
-    "shared_block": lambda: (SharedBlockNet(width=32, n_blocks=4), _data((64, 32)), _sq),
+    "kwargs_mlp": lambda: (KwargsMLP(width=32, n_blocks=4), _data((512, 32)), _sq),
+    "shared_block": lambda: (SharedBlockNet(width=32, n_blocks=4), _data((512, 32)), _sq),
 }
 # SharedBlockNet's shared submodule is a unit too (called twice per step: two unit calls, one plan entry each)
 UNITS = {"shared_block": ["Sequential"]}

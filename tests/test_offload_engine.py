@@ -15,6 +15,15 @@ from memrt.memory.offload import OffloadEngine, OffloadError, offload_units
 from memrt.testing.models import GPT, ConvNet, GPTConfig, KwargsMLP, SharedBlockNet, gpt_batch, lm_loss
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Intra-op threads spin against each other on a loaded 2-core machine: one thread is 50x steadier."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _gpt():
     cfg = GPTConfig(n_layer=3, d_model=64, seq_len=32, dropout=0.1)
     x, y = gpt_batch(cfg, 4)

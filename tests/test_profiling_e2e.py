@@ -210,7 +210,7 @@ def test_two_ranks_report_tables_json_pngs_and_traces(run_dir, capsys):
     # stragglers: rank 1 sleeps before each all_reduce of the loop, so it enters last
     stragglers = {s["rank"]: s for s in report["comm"]["stragglers"]}
     assert stragglers[1]["last_arrivals"] > stragglers[0]["last_arrivals"], stragglers
-    assert stragglers[1]["mean_lateness_us"] > 1000, stragglers
+    assert stragglers[1]["mean_lateness_us"] > 800, stragglers  # ~5 ms late on 1 call in 3
 
     # memory: steps, fixed vs activation, peak at the end of the last block's forward
     for rank, res in enumerate(results):

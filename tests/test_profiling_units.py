@@ -256,3 +256,44 @@ def test_report_of_a_missing_directory_says_what_to_pass(tmp_path):
 
     with pytest.raises(MemrtError, match="MEMRT_REPORT_DIR"):
         report.load_rank_files(tmp_path / "nope")
+
+
+def test_unit_marker_marks_forward_then_backward_in_reverse_order(rec):
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    cfg = GPTConfig(n_layer=3, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    model = GPT(cfg)
+    x, y = gpt_batch(cfg, 2)
+    live = iter(range(10**6))
+    with UnitMarker(model, live_bytes=lambda: next(live) * 100, recorder=rec) as marker:
+        with marker.step(0):
+            lm_loss(model(x), y).backward()
+        with torch.no_grad():  # no graph: forward marks only, nothing left open
+            model(x)
+    marks = [(e.kind, e.label) for e in rec.memory]
+    fwd = [m for b in range(3) for m in (("unit_begin", f"blocks.{b}@forward"), ("unit_end", f"blocks.{b}@forward"))]
+    bwd = [m for b in (2, 1, 0) for m in (("unit_begin", f"blocks.{b}@backward"), ("unit_end", f"blocks.{b}@backward"))]
+    assert marks == [("step_begin", "0"), *fwd, *bwd, ("step_end", "0"), *fwd]
+    assert [e.name for e in rec.trace][:7] == [f"memrt::blocks.{b}.forward" for b in range(3)] + \
+        [f"memrt::blocks.{b}.backward" for b in (2, 1, 0)] + ["memrt::step"]
+    tl = analyze_memory(rec.memory)
+    assert (tl.peak.unit, tl.peak.phase) == ("blocks.2", "forward")  # the last (highest) mark: the eval forward
+    assert tl.peak.live_bytes == max(e.live_bytes for e in rec.memory) and tl.steps[0].peak_unit == "blocks.2"
+    with pytest.raises(ValueError, match="live_bytes"):
+        UnitMarker(model)  # CPU: no allocator statistics, the error says what to pass
+
+
+def test_downsampled_timeline_keeps_each_steps_peak():
+    events = [_ev(0.0, 0, "step_begin")] + [_ev(i * 1e-3, (i * 7919) % 1000 + (10**6 if i == 777 else 0), "sample")
+                                            for i in range(1, 3000)]
+    d = analyze_memory(events).to_dict(max_points=100)
+    assert len(d["points"]) <= 102 and max(p["live_bytes"] for p in d["points"]) == d["peak"]["live_bytes"]
+
+
+def test_unit_marker_skips_backward_marks_it_could_not_close(rec):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with UnitMarker(net, live_bytes=lambda: 0, recorder=rec) as marker:
+        net(torch.ones(2, 4)).sum().backward()  # the first unit's input needs no grad
+        assert all(not v for v in marker._open.values())  # nothing left open (no dangling ranges)
+    labels = [e.label for e in rec.memory]
+    assert labels == ["0@forward", "0@forward", "1@forward", "1@forward", "1@backward", "1@backward"]

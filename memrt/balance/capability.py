@@ -114,13 +114,15 @@ def estimate_sample_bytes(model: Any, make_batch: Callable[[int], Any], loss_fn:
 def max_samples_from_plan(plan: Any, micro_batch: int) -> int | None:
     """Memory bound from a memrt memory ``Plan`` made at ``micro_batch`` samples; None if it has no budget.
 
-    The plan's peak splits into a fixed part (parameters, gradients, optimizer state: ``fixed_bytes``
-    when the plan reports it, else 0) and the activations, assumed linear in the micro-batch.
+    The plan's peak (measured when known, else predicted) splits into a fixed part (``fixed_bytes`` when
+    the plan reports it, else 0: conservative) and activations assumed linear in the micro-batch; the
+    budget less the planner's ``margin_bytes`` is what may be filled.
     """
     budget = getattr(plan, "budget_bytes", None)
     peak = getattr(plan, "measured_peak_bytes", None) or getattr(plan, "predicted_peak_bytes", None)
     if not budget or not peak or micro_batch < 1:
         return None
     fixed = int(getattr(plan, "fixed_bytes", 0) or 0)
+    usable = int(budget) - int(getattr(plan, "margin_bytes", 0) or 0)
     per_sample = max(1.0, (peak - fixed) / micro_batch)
-    return max_samples_for_budget(int(budget), fixed, per_sample)
+    return max_samples_for_budget(usable, fixed, per_sample)

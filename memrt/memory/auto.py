@@ -23,7 +23,7 @@ from memrt.config import Budget, MemrtConfig, load_config, parse_budget
 from memrt.errors import BudgetError
 from memrt.memory.apply import ApplyHandle
 from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
-from memrt.memory.meter import Meter, device_capacity_bytes, make_meter
+from memrt.memory.meter import Meter, device_capacity_bytes, known_tensors, make_meter, watch_optimizers
 from memrt.memory.planner import Plan, plan as make_plan
 from memrt.memory.profile import Profile, ProfileSession, input_signature, model_device
 from memrt.memory.units import find_units, structure_key
@@ -140,7 +140,7 @@ class _State:
         if self.budget is None:
             return
         self.meter = make_meter(self.device)
-        self.meter.start(_flat_tensors(inputs))
+        self.meter.start(known_tensors(self._model(), _flat_tensors(inputs)))
         self.meter.mark("step_begin", "certify")
 
     def close(self) -> None:
@@ -191,6 +191,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
         raise TypeError(f"memrt.auto expects a torch.nn.Module, got {type(model).__name__}")
     cfg = config if config is not None else load_config(warn_unknown=False)
     disable(model)
+    watch_optimizers()
     device = model_device(model)
     budget_bytes = _resolve_budget(budget, cfg, device)
     off = offload if offload is not None else cfg.offload

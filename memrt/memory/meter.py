@@ -9,11 +9,12 @@ were kept). CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` wit
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Meter", "CpuMeter", "CudaMeter", "make_meter", "device_capacity_bytes"]
+__all__ = ["Meter", "CpuMeter", "CudaMeter", "make_meter", "device_capacity_bytes", "known_tensors", "watch_optimizers"]
 
 
 class Meter:
@@ -35,13 +36,14 @@ class Meter:
 class CpuMeter(Meter):
     exact_ghosts = True
 
-    def __init__(self, *, record: bool = True) -> None:
+    def __init__(self, *, record: bool = True, scan_gc: bool = True) -> None:
         from memrt.profiling.cpu_tracker import CpuMemoryTracker
 
         self.tracker = CpuMemoryTracker(record=record)
+        self.scan_gc = scan_gc
 
     def start(self, extra: Iterable[Any] = ()) -> None:
-        self.tracker.start(extra)
+        self.tracker.start(extra, scan_gc=self.scan_gc)
 
     def stop(self) -> None:
         self.tracker.stop()
@@ -98,6 +100,43 @@ class CudaMeter(Meter):
     @property
     def peak(self) -> int:
         return max(self._peak, torch.cuda.max_memory_allocated(self.device))
+
+
+_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_HOOKED: list[Any] = []
+
+
+def _seen_optimizer(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _OPTIMIZERS.add(opt)
+
+
+def watch_optimizers() -> None:
+    """Remember every optimizer that steps (global step pre-hook, installed once)."""
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOKED.append(register_optimizer_step_pre_hook(_seen_optimizer))
+
+
+def known_tensors(model: torch.nn.Module | None, inputs: Iterable[Any] = ()) -> list[torch.Tensor]:
+    """Tensors live at a step boundary without a gc scan: the model's parameters, gradients and buffers,
+    the inputs, and the state of every optimizer seen stepping any of those parameters."""
+    out: list[torch.Tensor] = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if model is None:
+        return out
+    params = list(model.parameters())
+    out += params
+    out += [p.grad for p in params if p.grad is not None]
+    out += list(model.buffers())
+    ids = {id(p) for p in params}
+    for opt in list(_OPTIMIZERS):
+        if not any(id(p) in ids for g in opt.param_groups for p in g["params"]):
+            continue
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+    return out
 
 
 def make_meter(device: torch.device, *, record: bool = True) -> Meter:

@@ -191,11 +191,19 @@ def _build(profile: Profile, options_fn: OptionsFn) -> _Model:
         if u.has_backward:
             bwd = np.array([x.backward_transient_bytes for x in o], dtype=np.int64)
             g = np.maximum(g, u.backward_start_bytes + shift + r + bwd)
-        R.append(r)
+        R.append(r.copy())
         T.append(np.array([x.added_seconds for x in o], dtype=np.float64))
         G.append(g.astype(np.int64))
         F.append(np.array([x.inflight_bytes for x in o], dtype=np.int64))
         opts.append(o)
+    # A storage that call k-1 saves (its output) and call k holds too (saved by its keep option, held as
+    # input by recompute) is live once: the prefix counts it with call k, call k-1's own backward keeps it.
+    for k in range(1, n):
+        ov = profile.units[k].shared_with_previous_bytes
+        if ov > 0 and all(o.action in ("keep", "recompute") for o in opts[k]):
+            for j, o in enumerate(opts[k - 1]):
+                if o.action == "keep":
+                    R[k - 1][j] = max(0, R[k - 1][j] - ov)
     return _Model(R, T, G, F, opts, C, fixed)
 
 

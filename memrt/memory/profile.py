@@ -45,6 +45,8 @@ class UnitProfile:
     """Bytes of the unit's tensor inputs (distinct storages, parameters excluded): what recompute keeps."""
     saved_not_input_bytes: int = 0
     """Saved bytes that are not inputs (what keeping costs beyond recomputing)."""
+    shared_with_previous_bytes: int = 0
+    """Input bytes this unit saves that the previous unit call saves too (its output): counted once."""
     forward_seconds: float = 0.0
     """Seconds of the unit's forward (the time a recompute adds)."""
     forward_start_bytes: int = 0
@@ -183,6 +185,7 @@ class ProfileSession:
 
     def __init__(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, device: torch.device) -> None:
         self.units, self.device = list(units), device
+        self._model = weakref.ref(model)
         self.meter: Meter = make_meter(device)
         self.profile = Profile(device=str(device), structure=structure_key(model, units))
         self.param_ids = set(_storage_ids(list(model.parameters()) + list(model.buffers())))
@@ -194,6 +197,7 @@ class ProfileSession:
         self._bwd_start: dict[int, int] = {}
         self._recompute_peak: dict[int, int] = {}
         self._overhead = 0.0
+        self._prev_saved: dict[int, weakref.ref] = {}
         self._t0 = 0.0
         self._done = False
 
@@ -203,7 +207,9 @@ class ProfileSession:
             from memrt.profiling.cpu_tracker import dispatch_overhead_seconds
 
             self._overhead = dispatch_overhead_seconds()
-        self.meter.start(_tensors(inputs))
+        from memrt.memory.meter import known_tensors
+
+        self.meter.start(known_tensors(self._model(), _tensors(inputs)))
         self.profile.start_live_bytes = self.meter.live()
         self.meter.mark("step_begin", "profile")
         self.meter.mark("phase", "forward")
@@ -327,6 +333,10 @@ class ProfileSession:
         peak, ghost_peak = self.meter.segment()
         self.meter.clear_ghosts()
         up.saved_bytes = sum(n for _, n in hooks.saved.values())
+        prev, self._prev_saved = self._prev_saved, hooks.refs
+        up.shared_with_previous_bytes = sum(
+            n for s, n in hooks.saved.values()
+            if s in inputs and s in prev and prev[s]() is not None and prev[s]() is hooks.refs.get(s, lambda: None)())
         up.saved_not_input_bytes = sum(n for s, n in hooks.saved.values() if s not in inputs)
         up.forward_recompute_transient_bytes = max(0, peak - start)
         if self.meter.exact_ghosts:
@@ -354,7 +364,9 @@ def profile(model: nn.Module, step_fn: Callable[[], Any], *, units: Sequence[str
     Every unit is recomputed during this step; returns the :class:`Profile` for :func:`memrt.plan`.
     """
     from memrt.memory.apply import Instrumentation
+    from memrt.memory.meter import watch_optimizers
 
+    watch_optimizers()
     device = model_device(model)
     found = find_units(model, units)
     session = ProfileSession(model, found, device=device)

@@ -1,9 +1,9 @@
 """Host tier (CUDA): saved activations copied to a pre-sized, reused pinned-memory pool on a side stream.
 
 - :class:`HostPool` hands out byte ranges of a few large pinned buffers (first fit, coalescing free
-  list). It is sized once (from the plan) and reused every step; it only grows when a step needs
-  more than planned, and ``stats`` counts every pinned allocation so a test can see there are none
-  per step. A range is reused only after the copies that touch it have finished (events).
+  list). It is sized once (from the plan, ``host_pool_bytes``) and reused every step; when a step
+  needs more it grows, and once empty again it is merged into one buffer of the total size, so from
+  the second step on there are no pinned allocations (``stats().pinned_allocations`` counts them). A range is reused only after the copies that touch it have finished (events).
 - :class:`HostTier` copies device -> host on a dedicated stream after waiting for the producing
   stream; the source block is ``record_stream``-ed on the side stream so the caching allocator does
   not hand it out while the copy reads it. Loads copy host -> device on the same side stream into a
@@ -66,6 +66,8 @@ class HostPool:
         size = -(-max(1, int(nbytes)) // _ALIGN) * _ALIGN
         with self._lock:
             self._collect(block=False)
+            if self.used_bytes == 0 and len(self._chunks) > 1:
+                self._consolidate()
             found = self._find(size)
             if found is None and self._pending:
                 self._collect(block=True)
@@ -87,6 +89,14 @@ class HostPool:
                 self._insert(ci, off, size)
             else:
                 self._pending.append((ci, off, size, event))
+
+    def _consolidate(self) -> None:
+        """All free after a step that outgrew the pool: one buffer of the total size from now on."""
+        self._collect(block=True)
+        total = self.capacity_bytes
+        self._chunks.clear()
+        self._free.clear()
+        self._grow(total)
 
     def _collect(self, *, block: bool) -> None:
         keep = []

@@ -1,0 +1,252 @@
+"""Env activation, in-process and cheap subprocesses: start-up hook cost, exclusions, post-import hook,
+failure policy, banner, memrt run's environment and sitecustomize chaining."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import site
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from memrt.activation import autoload, hooks, install, session
+from memrt.activation.banner import describe_nodes, format_banner
+from memrt.activation.wiring import budget_argument
+from memrt.config import Budget, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRT")}
+    env.update(extra)
+    return env
+
+
+def _pth_path() -> Path:
+    for d in site.getsitepackages():
+        p = Path(d) / install.PTH_NAME
+        if p.is_file():
+            return p
+    pytest.fail(f"{install.PTH_NAME} is not installed in this interpreter's site-packages: "
+                "reinstall memrt (pip install -e .) so setup.py writes it")
+
+
+def test_startup_files_installed_and_current():
+    assert install.autoload_installed(), "memrt-autoload.pth missing or stale: run pip install -e ."
+    names = {p.name for p in install.installed_paths()}
+    assert {install.PTH_NAME, install.START_NAME, install.STARTUP_MODULE} <= names
+
+
+def _memrt_modules(code: str, env: dict[str, str]) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd="/")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_LIST = ("import sys, json; print(json.dumps(sorted(m for m in sys.modules "
+         "if m == 'memrt' or m.startswith(('memrt.', '_memrt')))))")
+
+
+@pytest.mark.parametrize("value", [None, "0", "off", ""])
+def test_memrt_off_imports_nothing(value):
+    env = _clean_env() if value is None else _clean_env(MEMRT=value)
+    assert _memrt_modules(_LIST, env) == []
+
+
+def test_memrt_on_registers_only_the_post_import_hook():
+    code = ("import sys, json; print(json.dumps([sorted(m for m in sys.modules if m.startswith('memrt')), "
+            "[type(f).__name__ for f in sys.meta_path], 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], env=_clean_env(MEMRT="1"), capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    modules, finders, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "memrt.activation.hooks" in modules and "PostImportFinder" in finders
+    assert not torch_loaded, "the start-up hook must not import torch"
+    assert not any(m.startswith(("memrt.memory", "memrt.comm", "memrt.profiling")) for m in modules)
+
+
+@pytest.mark.slow
+def test_import_torch_with_memrt_unset_imports_no_memrt_module():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import torch"], env=_clean_env(),
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert "torch" in imported
+    ours = [m for m in imported if m == "memrt" or m.startswith(("memrt.", "_memrt"))]
+    assert ours == [], f"memrt modules imported with MEMRT unset: {ours}"
+
+
+def test_pth_costs_under_2ms_when_off(monkeypatch):
+    pth = _pth_path()
+    monkeypatch.delenv("MEMRT", raising=False)
+    before = set(sys.modules)
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        site.addpackage(str(pth.parent), pth.name, set())  # what site.py does at start-up: read + exec
+        times.append(time.perf_counter() - t0)
+    assert set(sys.modules) == before
+    assert statistics.median(times) < 2e-3, f"median {statistics.median(times) * 1e3:.3f} ms"
+
+
+def test_pth_line_reports_a_missing_memrt_and_carries_on(tmp_path):
+    # A stale .pth (memrt removed without it): one line on stderr, the interpreter runs normally.
+    code = (f"import os, sys; os.environ['MEMRT'] = '1'; sys.modules['memrt'] = None; "
+            f"exec({install.pth_text()!r}); print('ran')")
+    out = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True,
+                         text=True, timeout=60, cwd=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ran")
+    assert "memrt cannot be imported" in out.stderr
+
+
+def test_startup_module_text_is_valid_and_checks_the_switch(tmp_path):
+    (tmp_path / "_memrt_startup.py").write_text(install.startup_module_text())
+    code = "import sys, _memrt_startup; _memrt_startup.start(); print('memrt.activation.autoload' in sys.modules)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=_clean_env(PYTHONPATH=str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("argv,orig,active,expected", [
+    (["/venv/bin/torchrun", "--nproc-per-node", "2", "t.py"], None, None, "torchrun agent"),
+    (["-m", "--nproc-per-node"], ["python", "-m", "torch.distributed.run", "t.py"], None, "torchrun agent"),
+    (["-c", "--multiprocessing-fork"], ["python", "-c", "from multiprocessing.spawn import spawn_main; "
+                                        "spawn_main()", "--multiprocessing-fork"], None, "multiprocessing child"),
+    (["-c"], ["python", "-c", "from multiprocessing.forkserver import main; main()"], None, "multiprocessing child"),
+    (["/x/torch/_inductor/compile_worker/__main__.py"], ["python", "-m", "torch._inductor.compile_worker"], None,
+     "compile worker"),
+    (["train.py"], ["python", "train.py"], "1", "child of activated process 1"),
+    (["train.py"], ["python", "train.py"], None, None),
+    (["train.py"], ["python", "train.py"], "4242", None),  # its own pid: not a child
+])
+def test_excluded_processes(argv, orig, active, expected):
+    got = autoload.excluded_reason(argv, orig or argv, active_pid=active, pid=4242)
+    assert got == expected
+
+
+def test_post_import_finder_calls_back_after_exec(tmp_path, monkeypatch):
+    (tmp_path / "memrt_probe_mod.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def callback(module):
+        seen.append(module.VALUE)
+        module.VALUE += 1
+
+    finder = hooks.PostImportFinder({"memrt_probe_mod": callback})
+    sys.meta_path.insert(0, finder)
+    try:
+        mod = importlib.import_module("memrt_probe_mod")
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        sys.modules.pop("memrt_probe_mod", None)
+    assert seen == [41] and mod.VALUE == 42
+    assert not isinstance(mod.__loader__, hooks._LoaderProxy)  # introspection sees the real loader
+
+
+@pytest.fixture
+def fresh_session(monkeypatch):
+    monkeypatch.setattr(session, "_OFF", False)
+    monkeypatch.setattr(session, "_WARNED", False)
+    monkeypatch.setattr(session, "_SESSION", None)
+    for var in [v for v in os.environ if v.startswith("MEMRT")]:
+        monkeypatch.delenv(var)
+    return session
+
+
+def test_failure_warns_once_and_steps_aside(fresh_session, caplog):
+    with caplog.at_level(logging.WARNING, logger="memrt.activation"):
+        session.fail("test step", RuntimeError("boom"))
+        session.fail("test step again", RuntimeError("boom 2"))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "continuing without memrt" in warnings[0].getMessage()
+    assert session.is_off()
+
+
+def test_failure_raises_when_strict(fresh_session, monkeypatch):
+    monkeypatch.setenv("MEMRT_STRICT", "1")
+    with pytest.raises(session.ActivationError, match="boom"):
+        session.fail("test step", RuntimeError("boom"))
+
+
+@pytest.mark.parametrize("rank,printed", [(0, True), (1, False)])
+def test_bad_budget_exits_2_with_the_error_on_rank_0(fresh_session, monkeypatch, capsys, rank, printed):
+    monkeypatch.setenv("MEMRT", "1")
+    monkeypatch.setenv("MEMRT_BUDGET", "lots")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(session, "_LAUNCH", None)
+    with pytest.raises(SystemExit) as exc:
+        session.load_config_or_exit()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert ("MEMRT_BUDGET='lots'" in err) is printed
+
+
+def test_banner_names_every_setting_and_its_source(tmp_path):
+    config = load_config({"MEMRT": "1", "MEMRT_BUDGET": "85%"})
+    text = format_banner(config=config, launcher="torchrun", world_size=4, nodes=((0, 1), (2, 3)),
+                         nodes_source="MEMRT_TOPOLOGY", backend="gloo", run_id="r1", report_dir=tmp_path)
+    assert text.splitlines()[0].startswith("memrt ") and "4 ranks = 2 nodes x 2" in text
+    for var, item in config.effective().items():
+        line = next(line for line in text.splitlines() if line.split()[1:2] == [var])
+        assert line.split()[-1] == item["source"]
+    assert "85%" in text
+    assert describe_nodes(3, ((0, 1), (2,))) == "3 ranks = 2 nodes (2+1)"
+    assert "unknown" in describe_nodes(2, None)
+
+
+def test_budget_argument_keeps_shares_per_rank():
+    assert budget_argument(None) is None
+    assert budget_argument(Budget(bytes=123)) == 123
+    assert budget_argument(Budget(share=0.85)) == "85%"
+
+
+def test_memrt_run_environment(tmp_path):
+    import argparse
+
+    from memrt.activation.run import SITE_DIR, add_arguments, command_environment
+    from memrt.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--budget", "85%", "--strict", "--", "python", "t.py"])
+    env = command_environment(args, {"PYTHONPATH": "/user/lib", "PATH": "/bin"})
+    assert env["MEMRT"] == "1" and env["MEMRT_BUDGET"] == "85%" and env["MEMRT_STRICT"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(SITE_DIR), "/user/lib"]
+    with pytest.raises(ConfigError, match="MEMRT_BUDGET"):
+        command_environment(parser.parse_args(["--budget", "lots", "--", "x"]), {})
+
+
+def test_memrt_run_sitecustomize_activates_and_chains(tmp_path):
+    """Without site-packages' .pth (python -S): memrt run's sitecustomize alone switches memrt on and still
+    runs the user's own sitecustomize."""
+    from memrt.activation.run import SITE_DIR
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITECUSTOMIZE_RAN = True\n")
+    code = textwrap.dedent(f"""
+        import sys, json
+        sys.path[:0] = [{str(SITE_DIR)!r}, {str(user)!r}, {str(REPO)!r}]
+        import sitecustomize
+        import builtins
+        print(json.dumps([getattr(builtins, 'USER_SITECUSTOMIZE_RAN', False),
+                          'memrt.activation.hooks' in sys.modules,
+                          any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path)]))
+    """)
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=_clean_env(MEMRT="1"), capture_output=True,
+                         text=True, timeout=60, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, True]

@@ -1,0 +1,63 @@
+"""The benchmarks' --quick modes run from a clean checkout and produce their JSON with same-run ratios.
+
+One slow test for all of them (budget: 60 s on an idle 2-core machine); arms whose feature is missing
+or that need root must appear as printed skips, never as silent passes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], out: Path, timeout: float) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-m", *args, "--quick", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    name = args[0].rsplit(".", 1)[1]
+    return json.loads((out / f"{name}.json").read_text()), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_benchmarks_quick_modes(tmp_path):
+    # memory frontier (GPT only here): baselines measured, peaks ordered as checkpointing implies
+    data, out = _run(["benchmarks.memory_frontier", "--workloads", "gpt"], tmp_path, 120)
+    assert data["machine"]["cores"] and data["machine"]["torch"]
+    rows = {r["arm"]: r for r in data["results"]["gpt"]["rows"]}
+    assert rows["none"]["time_vs_none"] == 1.0
+    assert rows["every_block"]["peak_bytes"] < rows["none"]["peak_bytes"], rows
+    assert rows["every_k=2"]["peak_bytes"] < rows["none"]["peak_bytes"], rows
+    assert "SKIP save_on_cpu" in out
+    memrt_rows = [r for r in rows.values() if r["memrt"]]
+    skipped = {s["arm"] for s in data["results"]["gpt"]["skipped"]}
+    assert memrt_rows or "memrt" in skipped, "memrt arm neither measured nor reported as skipped"
+    for r in memrt_rows:
+        assert "time_vs_fastest_fitting" in r
+    assert (tmp_path / "memory_frontier.png").exists()
+
+    # collectives: nccl-tests columns; gloo is the baseline measured in the same run
+    data, out = _run(["benchmarks.collectives_sweep", "--impls", "gloo,memrt-auto", "--ops", "all_reduce",
+                      "--max-size", "64KiB"], tmp_path, 120)
+    res = data["nets"][0]["results"]
+    for row in res["gloo"]["rows"]:
+        assert row["vs_gloo"] == 1.0 and row["algbw_GBps"] > 0 and row["busbw_GBps"] == pytest.approx(
+            row["algbw_GBps"] * 1.5)
+    assert "memrt-auto" in res or "SKIP memrt-auto" in out
+
+    # end to end: unchanged script, stock vs MEMRT=1 (exact mode trains to the same loss)
+    data, out = _run(["benchmarks.end_to_end", "--arms", "stock,memrt", "--steps", "6"], tmp_path, 150)
+    stock = data["results"]["stock"]
+    assert stock["tokens_per_s"] > 0 and stock["final_loss"] > 0
+    if "memrt" in data["results"]:
+        m = data["results"]["memrt"]
+        assert m["memrt_banner"], "MEMRT=1 did not switch memrt on in the unchanged script"
+        assert m["final_loss"] == pytest.approx(stock["final_loss"], rel=1e-5)
+    else:
+        assert "memrt" in data["skipped"]
