@@ -52,11 +52,11 @@ def _memory_model(spec: Spec) -> tuple[int, float]:
 
 def _scenario(name: str, quick: bool, capped: bool, priority: float) -> tuple[Spec, int, dict[str, str], dict]:
     if name == "pair":
-        spec = Spec(global_batch=512 if quick else 1024, phase_steps=3 if quick else 4, phases=2 if quick else 4,
+        spec = Spec(global_batch=1024 if quick else 2048, phase_steps=3 if quick else 4, phases=2 if quick else 3,
                     width=512, depth=4, rebalance_every=3)
         slow = {1: 0.5}
         return _finish(spec, 2, slow, capped, {}, priority=priority)
-    spec = Spec(global_batch=512 if quick else 1024, phase_steps=3 if quick else 4, phases=2 if quick else 4,
+    spec = Spec(global_batch=512 if quick else 2048, phase_steps=3 if quick else 4, phases=2 if quick else 3,
                 width=512, depth=4, rebalance_every=3, use_memrt_comm=True)
     world = 4
     uniform = spec.global_batch // world
@@ -101,7 +101,8 @@ def run(name: str, quick: bool, priority: float = 1.0) -> dict:
         "scenario": name, "world": world, "global_batch": spec.global_batch, "env": env, "info": info,
         "cap_unavailable": None if capped else why, "stock_samples_per_s": sps["stock"],
         "memrt_samples_per_s": sps["memrt"], "ratio": sps["memrt"] / sps["stock"], "final_shares": r0["shares"],
-        "max_samples": spec.max_samples, "decisions": len(r0["decisions"]),
+        "max_samples": spec.max_samples,
+        "decisions": [(d["step"], d["shares"], [round(x) for x in d["samples_per_s"]]) for d in r0["decisions"]],
         "max_param_diff_memrt_vs_stock": diff, "wall_s": time.perf_counter() - t0,
         "load_avg_1min_before": load0,
     }

@@ -158,6 +158,8 @@ class Topology:
         rows = [("node", "ranks", "local size", "device kinds", "host")]
         for i, n in enumerate(self.nodes):
             kinds = ",".join(sorted({self.device_kinds[r] for r in n})) if self.device_kinds else "?"
+            if "," in kinds:  # mixed kinds on one node (issue 10): say which rank has which
+                kinds = ",".join(f"{r}:{self.device_kinds[r]}" for r in n)
             host = self.hosts[n[0]].split("|")[0] if self.hosts else "-"
             mark = " *" if i == self.node_index else ""
             rows.append((f"{i}{mark}", ",".join(map(str, n)), str(len(n)), kinds, host))

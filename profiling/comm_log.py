@@ -317,9 +317,13 @@ def format_straggler_table(spreads: Sequence[RankSpread], stragglers: Sequence[S
     for s in sorted(stragglers, key=lambda s: s.rank):
         out.append(f"{s.rank:>4d} {s.total_comm_s:>9.4f} {s.calls:>6d} {s.last_arrivals:>7d} {s.mean_lateness_us:>9.1f}")
     worst = max(stragglers, key=lambda s: (s.last_arrivals, s.mean_lateness_us))
-    if worst.last_arrivals:
-        out.append(f"likely straggler: rank {worst.rank} (entered last in {worst.last_arrivals} calls, "
+    matched = sum(s.last_arrivals for s in stragglers)  # every matched call has one last rank
+    # name a straggler only when it is last clearly more often than chance (1/n) would make it
+    if matched and worst.last_arrivals / matched > 1 / len(stragglers) + 0.1:
+        out.append(f"likely straggler: rank {worst.rank} (entered last in {worst.last_arrivals} of {matched} calls, "
                    f"{worst.mean_lateness_us:.1f} us late on average; the others wait for it)")
+    elif matched:
+        out.append(f"no clear straggler: the last rank to enter varies across {matched} calls")
     if spreads:
         out.append("")
         out.append(f"{'op':>16} {'size(B)':>10} {'algo':>6} {'min(us)':>9} {'max(us)':>9} {'spread':>7}")

@@ -194,7 +194,7 @@ class Recorder:
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"rank{rank}.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(rank)))
+        tmp.write_text(json.dumps(self.to_dict(rank), default=str))  # odd trace args become strings
         tmp.replace(path)
         return path
 

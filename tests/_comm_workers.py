@@ -113,3 +113,9 @@ def mismatch(rank: int, world: int) -> str:
     except dist.CollectiveMismatchError as exc:
         return str(exc)
     return "no error"
+
+
+def everything_else(rank: int, world: int) -> dict[str, list[str] | str]:
+    """One process group for: other collectives, DDP bitwise, the mismatch check (in that order)."""
+    return {"collectives": other_collectives(rank, world), "ddp": ddp_bitwise(rank, world),
+            "mismatch": mismatch(rank, world)}

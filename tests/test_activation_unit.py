@@ -250,3 +250,58 @@ def test_memrt_run_sitecustomize_activates_and_chains(tmp_path):
                          text=True, timeout=60, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, True]
+
+
+@pytest.mark.slow
+def test_wrappers_in_process_world_1(fresh_session, monkeypatch, tmp_path, capsys):
+    """init_process_group -> session + banner; DDP -> memory plan; fully_shard -> noted; exit -> report."""
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
+
+    import memrt
+    from memrt.activation import report
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    monkeypatch.setenv("MEMRT", "1")
+    monkeypatch.setenv("MEMRT_COMM", "off")  # comm's process-wide state stays out of this pytest process
+    monkeypatch.setenv("MEMRT_REPORT_DIR", str(tmp_path / "report"))
+    monkeypatch.setenv("MEMRT_AUTOLOAD_ACTIVE", "")  # begin() sets it; monkeypatch removes it afterwards
+    monkeypatch.setattr(report, "_nodes", lambda config, world, backend: (((0,),), "test"))
+    assert not hooks.installed()
+    hooks.install()
+    try:
+        assert getattr(dist.init_process_group, "__memrt_wrapped__", False)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        atexit.unregister(report.at_exit)
+        sess = session.current()
+        assert sess is not None and sess.rank == 0 and os.environ["MEMRT_AUTOLOAD_ACTIVE"] == str(os.getpid())
+        cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=32)
+        model = GPT(cfg)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = gpt_batch(cfg, 2, seed=step)
+            lm_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert memrt.plan_of(model) is not None
+        sharded = fsdp.fully_shard(torch.nn.Linear(4, 4))  # the name as looked up now
+        assert type(sharded).__name__.startswith("FSDP")
+        report.at_exit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        hooks.uninstall()
+        memrt.disable(model) if "model" in locals() else None
+    assert not getattr(dist.init_process_group, "__memrt_wrapped__", False)
+    assert not getattr(torch.nn.parallel.DistributedDataParallel.__init__, "__memrt_wrapped__", False)
+    err = capsys.readouterr().err
+    assert err.count("memrt 0.1.0 on |") == 1 and "memrt summary" in err
+    (data,) = [json.loads(p.read_text()) for p in (tmp_path / "report").glob("rank*.json")]
+    act = data["meta"]["activation"]
+    assert [m["kind"] for m in act["models"]] == ["ddp", "fsdp2"]
+    assert act["models"][0]["comm_hook"] == "off (MEMRT_COMM=off)"
+    assert act["plans"] and act["failures"] == []

@@ -1,5 +1,6 @@
 """One 4-rank job (2 fake nodes x 2): probe + cache, fusion (explicit and automatic), compression through
-memrt.comm (inter hop only, ints exact), DDP with the int8 error-feedback hook. One spawn keeps it cheap."""
+memrt.comm (inter hop only, ints exact; the 2-rank all-gather path and the 4-rank two-phase path), DDP with
+the int8 error-feedback hook. One spawn keeps it within the time budget."""
 
 import pytest
 import torch
@@ -60,6 +61,16 @@ def _e2e(rank, world):
     out["compressed_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
     out["compressed_rel_err"] = ((x - exact).abs().max() / exact.abs().max()).item()
     out["compressed_record"] = (rec.comm[0].algorithm, rec.comm[0].tier_bytes, rec.comm[0].predicted_seconds)
+    # four ranks in one group: the compressed all-to-all reduce-scatter + all-gather path, with feedback
+    from memrt.comm.compress import compressed_all_reduce
+
+    y = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
+    y_exact = y.clone()
+    tdist.all_reduce(y_exact)
+    compressed_all_reduce(y, None, "int8", key="world4")
+    tdist.all_gather(gathered[:], torch.nn.functional.pad(y, (0, x.numel() - y.numel())))
+    out["two_phase_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
+    out["two_phase_rel_err"] = ((y - y_exact).abs().max() / y_exact.abs().max()).item()
     ints = torch.arange(100_000, dtype=torch.int64) * (rank + 1)
     dist.all_reduce(ints)
     out["ints_exact"] = torch.equal(ints, torch.arange(100_000, dtype=torch.int64) * 10)
@@ -113,6 +124,7 @@ def test_fusion_compression_ddp_ef_probe_cache_on_two_fake_nodes(tmp_path):
         algo, tiers, predicted = r["compressed_record"]
         assert algo == "hier+int8" and predicted is not None and predicted > 0
         assert tiers["inter"] <= 300_000 * 4 / 2 / 4 * 1.01  # a quarter of the exact shard crosses nodes
+        assert r["two_phase_identical"] and r["two_phase_rel_err"] < 0.03
         assert r["ints_exact"]
         assert r["ddp_exact_params_identical"] and r["ddp_int8_params_identical"]
         assert r["ddp_int8_algorithms"] == ["hier+int8"] and "hier+int8" not in r["ddp_exact_algorithms"]

@@ -11,10 +11,11 @@ import torch.nn as nn
 
 import memrt
 from memrt.memory.cache import PlanCache
+from memrt.memory.meter import known_tensors, watch_optimizers
 from memrt.profiling.cpu_tracker import CpuMemoryTracker
 from memrt.testing.models import GPT, ConvNet, GPTConfig, KwargsMLP, SharedBlockNet, gpt_batch, lm_loss
 
-GPT_CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=64, vocab_size=64, dropout=0.1)
+GPT_CFG = GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=32, vocab_size=64, dropout=0.1)
 
 
 def _gpt():
@@ -35,7 +36,7 @@ def _sq(out, _):
 
 MODELS = {
     "gpt": _gpt,
-    "convnet": lambda: (ConvNet(channels=8, n_blocks=4), _data((8, 3, 16, 16)), _sq),
+    "convnet": lambda: (ConvNet(channels=8, n_blocks=6), _data((8, 3, 16, 16)), _sq),
     "kwargs_mlp": lambda: (KwargsMLP(width=32, n_blocks=4), _data((512, 32)), _sq),
     "shared_block": lambda: (SharedBlockNet(width=32, n_blocks=4), _data((512, 32)), _sq),
 }
@@ -62,15 +63,16 @@ def train(model, batch, loss_fn, steps, *, budget=None, units=None, cache=None):
 
 
 def eager_peak(name):
-    """Peak of a plain step with optimizer state present (step 2), measured by the tracker."""
+    """Peak of a plain step with optimizer state present (step 2), measured by the tracker as memrt does
+    (the model's parameters, gradients, buffers and optimizer state, the inputs, and all the step creates)."""
+    watch_optimizers()
     torch.manual_seed(0)
     model, batch, loss_fn = MODELS[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for s in range(2):
         opt.zero_grad()
         x, y = batch(s)
-        gc.collect()
-        tr = CpuMemoryTracker().start()
+        tr = CpuMemoryTracker().start(known_tensors(model, [x, y]), scan_gc=False)
         loss_fn(model(x), y).backward()
         opt.step()
         tr.stop()

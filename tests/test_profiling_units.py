@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_straggler_view_names_the_rank_that_enters_last():
         comm = [CommRecord(op="all_reduce", dtype="float32", nbytes=64, group_size=3, algorithm="flat",
                            seconds=0.003 - delay, start=100.0 + i + delay) for i in range(5)]
         ranks.append({"rank": rank, "t0_unix": 1000.0, "t0_perf": 100.0,
-                      "comm": [comm_log.asdict(c) for c in comm]})
+                      "comm": [asdict(c) for c in comm]})
     spreads, stragglers = comm_log.straggler_view(ranks)
     by = {s.rank: s for s in stragglers}
     assert by[1].last_arrivals == 5 and by[0].last_arrivals == 0
@@ -297,3 +298,27 @@ def test_unit_marker_skips_backward_marks_it_could_not_close(rec):
         assert all(not v for v in marker._open.values())  # nothing left open (no dangling ranges)
     labels = [e.label for e in rec.memory]
     assert labels == ["0@forward", "0@forward", "1@forward", "1@forward", "1@backward", "1@backward"]
+
+
+@pytest.mark.gpu
+def test_cuda_events_time_real_work_without_synchronize(rec, monkeypatch):
+    a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    real_sync, syncs = torch.cuda.synchronize, []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device) or real_sync(device))
+    for _ in range(3):
+        with timed("all_reduce", a, recorder=rec, group_size=1):
+            for _ in range(10):
+                a = a @ a / 45.25  # keeps the scale (sqrt(2048))
+    assert syncs == [] and len(rec._pending) == 3  # default mode: nothing waited for
+    data = rec.to_dict(0)
+    event_s = [c["seconds"] for c in data["comm"]]
+    rec.clear()
+    rec.configure(exact_timing=True)
+    with timed("all_reduce", a, recorder=rec, group_size=1):
+        for _ in range(10):
+            a = a @ a / 45.25
+    assert len(syncs) == 2 and not rec._pending
+    exact_s = rec.comm[0].seconds
+    assert all(s > 0 for s in event_s)
+    assert min(event_s) == pytest.approx(exact_s, rel=0.25)  # both see the GPU work (10 matmuls)

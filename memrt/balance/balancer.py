@@ -156,6 +156,8 @@ class SpeedBalancer:
                                "which composes both") from exc
         self._hook_attached = True
         self._module = getattr(ddp_model, "module", ddp_model)
+        # compute is timed from the module's own forward: DDP's buffer broadcast before it waits for peers
+        self._module.register_forward_pre_hook(lambda _m, _args: st.note_forward())
         return st
 
     def memory_bound(self) -> int | None:
@@ -170,7 +172,13 @@ class SpeedBalancer:
             return None
         from memrt.balance.capability import max_samples_from_plan
 
-        return None if plan is None else max_samples_from_plan(plan, self.shares.per_rank[self.rank])
+        if plan is None:
+            return None
+        try:
+            return max_samples_from_plan(plan, self.shares.per_rank[self.rank])
+        except ValueError as exc:  # never raise on one rank only: the others wait in the all-gather
+            logger.warning("rank %d: %s; bounding it at 1 sample per step", self.rank, exc)
+            return 1
 
     def set_shares(self, per_rank: Sequence[int]) -> None:
         """Impose shares (every rank must call it with the same values at the same step boundary)."""

@@ -105,10 +105,11 @@ def reference_params(spec: Spec, *, epochs: int = 1, steps_per_epoch: int | None
 
 
 def _slow_forward(model, delay_per_sample: float):
-    def pre_hook(_module, args):
+    """Sleep ``delay_per_sample`` x micro-batch after each forward (inside the compute the balancer times)."""
+    def post_hook(_module, args, _output):
         time.sleep(delay_per_sample * args[0].shape[0])
 
-    model.register_forward_pre_hook(pre_hook)
+    model.register_forward_hook(post_hook)
 
 
 def side_by_side(rank: int, world: int, spec_dict: dict) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class WeightedHookState:
     """A ``memrt.comm.mixed.MixedComm`` for groups of mixed device kinds; None = plain torch.distributed."""
     step_start_s: float = 0.0
     """perf_counter() at the start of the current step (set by the balancer)."""
+    forward_start_s: float | None = None
+    """perf_counter() when the wrapped module's forward began this step (after DDP's buffer broadcast, which
+    waits for slower ranks); None until then."""
     compute_s: float | None = None
     """Seconds of local compute up to the latest ready bucket this step, hook time excluded; None before one."""
     buckets_this_step: int = 0
@@ -54,7 +57,13 @@ class WeightedHookState:
     def start_step(self, weight: float, start_s: float) -> None:
         self.weight = weight
         self.step_start_s = start_s
+        self.forward_start_s = None
         self.compute_s = None
+
+    def note_forward(self) -> None:
+        """Forward pre-hook of the wrapped module: compute starts here (first forward of the step)."""
+        if self.forward_start_s is None:
+            self.forward_start_s = time.perf_counter()
         self.buckets_this_step = 0
         self.blocked_s = 0.0
 
@@ -64,7 +73,8 @@ def weighted_allreduce_hook(state: WeightedHookState, bucket):  # DDP checks ann
     import torch.distributed as dist
 
     start = time.perf_counter()
-    state.compute_s = start - state.step_start_s - state.blocked_s
+    begin = state.forward_start_s if state.forward_start_s is not None else state.step_start_s
+    state.compute_s = start - begin - state.blocked_s
     state.buckets_this_step += 1
     buf = bucket.buffer()
     try:

@@ -36,7 +36,7 @@ class Meter:
 class CpuMeter(Meter):
     exact_ghosts = True
 
-    def __init__(self, *, record: bool = True, scan_gc: bool = True) -> None:
+    def __init__(self, *, record: bool = True, scan_gc: bool = False) -> None:
         from memrt.profiling.cpu_tracker import CpuMemoryTracker
 
         self.tracker = CpuMemoryTracker(record=record)
