@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, TimeoutError) as exc:
                 skipped[arm] = skip_line(arm, f"failed: {exc}")["skipped"]
                 continue
+            write_json(out_dir, "end_to_end.partial", {"machine": info, "network": net, "model_args": model_args,
+                                                      "results": results, "skipped": skipped})
             if arm.startswith("memrt") and not results[arm]["memrt_banner"]:
                 print(f"WARNING {arm}: no memrt banner in the ranks' output: memrt did not switch on, "
                       "this arm measured stock DDP", flush=True)

@@ -240,18 +240,35 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
     return arms, notes
 
 
-def _measure(w: Workload, arms: list[Arm], rounds: int) -> None:
-    for arm in arms:  # warm-up (compile, memrt's profile + certify), then the peak of one clean step
+def _measure(w: Workload, arms: list[Arm], rounds: int) -> list[dict]:
+    """Peak then interleaved timing rounds; an arm that raises (e.g. memrt's BudgetError on re-planning)
+    is dropped with a printed reason. Returns those skip records."""
+    failed: list[dict] = []
+
+    def guarded(arm: Arm, fn: Callable[[], None]) -> bool:
+        try:
+            fn()
+            return True
+        except Exception as exc:  # report, never hide
+            failed.append(skip_line(arm.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
+            arms.remove(arm)
+            return False
+
+    def peak(arm: Arm) -> None:  # warm-up (compile, memrt's profile + certify), then one clean step
         for _ in range(2):
             _step(w, arm)
         with PeakRss() as rss:
             _step(w, arm)
         arm.peak_bytes = _fixed_bytes(arm) + rss.delta_bytes
-    for _ in range(rounds):  # interleaved timing rounds
-        for arm in arms:
+
+    for arm in list(arms):
+        guarded(arm, partial(peak, arm))
+    for _ in range(rounds):
+        for arm in list(arms):
             t0 = time.perf_counter()
-            _step(w, arm)
-            arm.times_s.append(time.perf_counter() - t0)
+            if guarded(arm, partial(_step, w, arm)):
+                arm.times_s.append(time.perf_counter() - t0)
+    return failed
 
 
 def _median(xs: list[float]) -> float:
@@ -293,7 +310,8 @@ def run_workload(key: str, w: Workload, args) -> dict[str, Any]:
     memrt_arms, notes = _memrt_arms(w, [int(lo + f * (hi - lo)) for f in fracs])
     skipped += notes
     arms = base + memrt_arms
-    _measure(w, arms, args.rounds)
+    skipped += _measure(w, arms, args.rounds)
+    base = [a for a in base if a in arms]
     t_none = _median(base[0].times_s)
     rows = []
     for a in arms:

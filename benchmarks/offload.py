@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -249,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         gc.collect()
         # tensors left alive by an earlier arm (none expected) are not this arm's: subtract them
-        leftover = 0 if device.type == "cuda" else _storage_bytes(
-            [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o is not x and o is not y])
+        with warnings.catch_warnings():  # isinstance on every gc object trips deprecation warnings
+            warnings.simplefilter("ignore")
+            leftover = 0 if device.type == "cuda" else _storage_bytes(
+                [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o is not x and o is not y])
         try:
             arm = _build(kind, cfg, device, x, y, tier, budget)
         except memrt.BudgetError as exc:

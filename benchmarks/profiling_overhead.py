@@ -14,6 +14,7 @@ forward + loss + backward + a flat gradient all-reduce (gloo, world of 1: a real
   the all-reduce timed by ``comm_log.timed`` (default timing mode: no synchronize), and a ``step``
   bracket. The live-bytes read is an attribute read of a counter (what ``torch.cuda.memory_allocated``
   costs on CUDA); the CPU tracker that would produce that counter on CPU has its own cost, shown by:
+- ``off again``: the baseline a second time (not in --quick): its ratio to ``off`` is the noise floor.
 - ``on+cpu_tracker``: as ``on`` with ``CpuMemoryTracker`` watching every operator (informational: the
   tracker is the memory planner's meter, not a profiling default).
 
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return UnitMarker(model, live_bytes=lambda: tracker.live_bytes), tracker
 
     arms = {"off": arm_off, "on": arm_on}
+    if not args.quick:
+        arms["off again (A/A: noise floor)"] = arm_off
     if cuda:
         arms["on+exact_timing"] = arm_exact
     if not (args.no_tracker_arm or args.quick or cuda):

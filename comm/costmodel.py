@@ -77,8 +77,13 @@ class LinkModel:
     codec_s_per_byte: dict[str, float] = field(default_factory=dict)
     """Encode + decode time per input byte of each codec (bf16, fp16, int8), seconds/byte."""
     call_overhead_s: dict[str, float] = field(default_factory=dict)
-    """Measured software overhead per call of each algorithm (flat, hier), seconds: the time of an
-    8-byte call minus its alpha terms (threads, staging, Python) — the algorithm's own latency."""
+    """Per algorithm (flat, hier): measured time of an 8-byte call minus its modelled alpha terms,
+    seconds (threads, staging, Python; negative when the alphas overstate it), so that the latency
+    part of a prediction is the measured small-call time."""
+    efficiency: dict[str, float] = field(default_factory=dict)
+    """Per algorithm (flat, hier): measured / modelled size-dependent time of a mid-size call (16 MiB),
+    i.e. how much of the links' measured bandwidth the implementation gets (CPU copies, contention
+    between concurrent stages); multiplies the beta and gamma terms. 1.0 when not measured."""
     topology_key: str = ""
     """Key of the topology this was measured on (the probe cache's file name)."""
     measured_at: str = ""
@@ -174,6 +179,12 @@ def compressed_ratio(codec: str, element_size: int = 4) -> float:
 # What memrt.comm runs.
 
 
+def _calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float) -> float:
+    """alpha terms + measured per-call overhead + efficiency x (beta and gamma terms)."""
+    lat = max(0.0, latency_s + model.call_overhead_s.get(algorithm, 0.0))
+    return lat + model.efficiency.get(algorithm, 1.0) * bandwidth_s
+
+
 def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel) -> float:
     """torch.distributed's (gloo's) ring over all ranks, ordered by rank.
 
@@ -182,7 +193,8 @@ def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkMod
     """
     p = sum(len(n_) for n_ in nodes)
     link = model.intra if len(nodes) <= 1 or model.inter is None else _slowest(model.intra, model.inter)
-    return ring_all_reduce(p, n, link, model.gamma_s_per_byte) + model.call_overhead_s.get("flat", 0.0)
+    lat = ring_all_reduce(p, 0, link, model.gamma_s_per_byte)
+    return _calibrated(model, "flat", lat, ring_all_reduce(p, n, link, model.gamma_s_per_byte) - lat)
 
 
 def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel, *,
@@ -199,24 +211,26 @@ def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model:
     m = len(nodes)
     l_ranks = max(len(x) for x in nodes)
     gamma = model.gamma_s_per_byte
-    t = ring_reduce_scatter(l_ranks, n, model.intra, gamma) + ring_all_gather(l_ranks, n, model.intra)
-    t += model.call_overhead_s.get("hier", 0.0)
-    if m <= 1:
-        return t
-    inter = model.tier("inter")
-    shared = l_ranks > 1
-    shard = n / l_ranks
-    if codec == "none":
-        return t + ring_all_reduce(m, shard, inter, gamma, shared=shared)
-    wire = shard * compressed_ratio(codec, element_size)
-    codec_cost = model.codec_s_per_byte.get(codec, 0.0)
-    if m == 2:
-        comm = inter.alpha_s + (m - 1) * wire * inter.beta(shared)
-        work = shard * codec_cost + (m - 1) * shard * gamma
-    else:
-        comm = 2 * (m - 1) * inter.alpha_s + 2 * (m - 1) / m * wire * inter.beta(shared)
-        work = 2 * shard * codec_cost + (m - 1) / m * shard * gamma
-    return t + comm + work
+
+    def stages(nbytes: float) -> float:
+        t = ring_reduce_scatter(l_ranks, nbytes, model.intra, gamma) + ring_all_gather(l_ranks, nbytes, model.intra)
+        if m <= 1:
+            return t
+        inter = model.tier("inter")
+        shared = l_ranks > 1
+        shard = nbytes / l_ranks
+        if codec == "none":
+            return t + ring_all_reduce(m, shard, inter, gamma, shared=shared)
+        wire = shard * compressed_ratio(codec, element_size)
+        if m == 2:
+            return t + inter.alpha_s + (m - 1) * wire * inter.beta(shared) + (m - 1) * shard * gamma
+        return t + 2 * (m - 1) * inter.alpha_s + 2 * (m - 1) / m * wire * inter.beta(shared) + (m - 1) / m * shard * gamma
+
+    lat = stages(0)
+    work = 0.0
+    if codec != "none" and m > 1:  # local encode/decode, measured directly: not scaled by the efficiency
+        work = (1 if m == 2 else 2) * n / l_ranks * model.codec_s_per_byte.get(codec, 0.0)
+    return _calibrated(model, "hier", lat, stages(n) - lat) + work
 
 
 def _slowest(a: TierLink, b: TierLink) -> TierLink:

@@ -8,7 +8,9 @@ the slowest participant counts), each at a few sizes, fitted by least squares ``
 - ``inter`` shared: every local rank of node 0 sends to the same local rank of node 1 at once
   (hierarchical's inter phase: the node's link is shared).
 
-Plus local rates: the reduction (``gamma``) and each codec's encode + decode. The result is the
+Plus local rates: the reduction (``gamma``) and each codec's encode + decode; and, when memrt.comm's
+groups are given, an 8-byte and a 16 MiB call of each algorithm: the first gives the algorithm's own
+per-call latency (replacing the formula's alpha terms), the second its efficiency (measured / modelled bandwidth time). The result is the
 same on every rank (times are max-reduced before fitting) and is cached in
 ``<cache dir>/comm-links-<topology key>.json``; later runs on the same hosts and grouping load it
 instead of probing. Cache dir: ``cache_dir=`` > ``MEMRT_REPORT_DIR`` > ``$XDG_CACHE_HOME/memrt`` >
@@ -152,15 +154,21 @@ def _time_call(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _call_overheads(topology, groups) -> list[float]:
-    """Seconds of an 8-byte flat (torch) and hierarchical (memrt) all-reduce on this rank."""
+CALIBRATION_BYTES = 16 << 20
+"""Size of the mid-size call of each algorithm that calibrates its efficiency (four 4 MiB pipeline chunks)."""
+
+
+def _call_times(topology, groups) -> list[float]:
+    """Seconds of an 8-byte and a CALIBRATION_BYTES flat (torch) and hierarchical (memrt) all-reduce."""
     import torch.distributed as dist
 
     from memrt.comm.algorithms import hierarchical_all_reduce
 
-    x = torch.ones(2)
-    return [_time_call(lambda: dist.all_reduce(x)),
-            _time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups))]
+    out = []
+    for x, reps in ((torch.ones(2), 5), (torch.ones(CALIBRATION_BYTES // 4), 2)):
+        out.append(_time_call(lambda: dist.all_reduce(x), reps))
+        out.append(_time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups), reps))
+    return out
 
 
 def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = "", topology=None,
@@ -201,7 +209,7 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     results.extend(_local_rates())
     with_overheads = topology is not None and groups is not None and group is None
     if with_overheads:
-        results.extend(_call_overheads(topology, groups))
+        results.extend(_call_times(topology, groups))
     # wall-clock stamp and elapsed time ride along, so every rank ends with the very same model
     vec = torch.tensor(results + [time.time(), time.perf_counter() - t_start], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
@@ -229,14 +237,22 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     codec = dict(zip(CODECS, vals[i + 1:i + 1 + len(CODECS)]))
     i += 1 + len(CODECS)
     overhead: dict[str, float] = {}
+    efficiency: dict[str, float] = {}
     if with_overheads:
         from memrt.comm import costmodel as cm
 
-        bare = LinkModel(intra=intra, inter=inter)
-        overhead = {"flat": max(0.0, vals[i] - cm.flat_all_reduce(nodes, 8, bare)),
-                    "hier": max(0.0, vals[i + 1] - cm.hierarchical_all_reduce(nodes, 8, bare))}
+        bare = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma)
+        small = {"flat": vals[i], "hier": vals[i + 1]}
+        mid = {"flat": vals[i + 2], "hier": vals[i + 3]}
+        fn = {"flat": cm.flat_all_reduce, "hier": cm.hierarchical_all_reduce}
+        for algo in ("flat", "hier"):
+            # may be negative: the measured 8-byte call replaces the formula's alpha terms
+            overhead[algo] = small[algo] - fn[algo](nodes, 8, bare)
+            modelled = fn[algo](nodes, CALIBRATION_BYTES, bare) - fn[algo](nodes, 8, bare)
+            measured = mid[algo] - small[algo]
+            efficiency[algo] = min(8.0, max(0.25, measured / modelled)) if modelled > 0 and measured > 0 else 1.0
     model = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma, codec_s_per_byte=codec, topology_key=key,
-                      call_overhead_s=overhead,
+                      call_overhead_s=overhead, efficiency=efficiency,
                       measured_at=_dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat(timespec="seconds"),
                       probe_seconds=elapsed)
     logger.info("probed links in %.2fs: %s", model.probe_seconds, model)

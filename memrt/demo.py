@@ -35,7 +35,7 @@ BUDGET_POSITION = 0.3
 """Default budget: this far from memrt's smallest feasible budget (0) to its keep-everything peak (1),
 both from a profile of the same DDP model taken by the stock run's ranks after their training."""
 
-_MODEL = {"n_layer": 6, "d_model": 96, "n_head": 4, "seq_len": 64, "vocab_size": 256, "dropout": 0.1}
+_MODEL = {"n_layer": 6, "d_model": 64, "n_head": 4, "seq_len": 128, "vocab_size": 256, "dropout": 0.1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

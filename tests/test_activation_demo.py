@@ -26,7 +26,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_demo_side_by_side(tmp_path):
-    out = subprocess.run([venv_bin("memrt"), "demo", "--steps", "4", "--batch", "2", "--json", "demo.json"],
+    out = subprocess.run([venv_bin("memrt"), "demo", "--steps", "4", "--json", "demo.json"],
                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     text = out.stdout
     assert out.returncode == 0, text[-3000:] + out.stderr[-3000:]

@@ -1,7 +1,7 @@
 """MEMRT=1 on an unchanged DDP script (tests/scripts/ddp_train.py, no memrt import) under real launchers.
 
 Few launches, many checks each (launches are the expensive part):
-- torchrun, MEMRT unset: the reference parameters; no memrt output, no report.
+- MEMRT unset: the reference parameters; no memrt output, no report.
 - torchrun, MEMRT=1, DataLoader workers: one banner, memory planned, comm hook, report files and summary,
   parameters equal to the reference, nothing of memrt in the workers.
 - mpiexec, a different MEMRT_BUDGET per rank: different plans, parameters equal to the reference.
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRT") and k not in ("RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MEMRT") and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -72,9 +73,15 @@ def _reports(cwd: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """Parameters after STEPS steps of the stock run (torchrun, MEMRT unset)."""
+    """Parameters after STEPS steps of the stock run (MEMRT unset; mpiexec starts fewer processes than torchrun)."""
     cwd = tmp_path_factory.mktemp("stock")
-    out = _run(_torchrun("--out", "params.pt"), _env(), cwd)
+    mpiexec = venv_bin("mpiexec")
+    args = [sys.executable, str(SCRIPT), "--steps", str(STEPS), "--out", "params.pt"]
+    # Without memrt an MPI launch has no torchrun variables: give them per rank, as torchrun would.
+    argv = ([mpiexec, "-n", "1", "-env", "RANK", "0", *args, ":", "-n", "1", "-env", "RANK", "1", *args]
+            if mpiexec else _torchrun("--out", "params.pt"))
+    extra = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if mpiexec else {}
+    out = _run(argv, _env(**extra), cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "memrt" not in out.stdout + out.stderr.replace(str(SCRIPT), "")
     assert not (cwd / "memrt-report").exists()

@@ -305,3 +305,13 @@ def test_wrappers_in_process_world_1(fresh_session, monkeypatch, tmp_path, capsy
     assert [m["kind"] for m in act["models"]] == ["ddp", "fsdp2"]
     assert act["models"][0]["comm_hook"] == "off (MEMRT_COMM=off)"
     assert act["plans"] and act["failures"] == []
+
+
+def test_srun_rendezvous_address():
+    from memrt.activation.mpi import first_host, slurm_master
+
+    assert first_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert first_host("node3") == "node3"
+    assert first_host("a[1,4]") == "a1"
+    assert slurm_master({"SLURM_STEP_NODELIST": "n[2-3]", "SLURM_JOB_ID": "123456"}) == ("n2", 20000 + 123456 % 20000)
+    assert slurm_master({"SLURM_JOB_ID": "1"}) is None

@@ -1,5 +1,6 @@
 """Slow-rank emulation: a cgroup CPU quota really slows a process, and the cgroup is removed afterwards."""
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,24 @@ def test_cap_self_and_release_returns_to_origin():
     assert str(cap.pid) in (origin / "cgroup.procs").read_text().split()
     assert not cap.path.exists()
     assert cpucap.remove_stale_caps() == 0
+
+
+@pytest.mark.root
+def test_stale_cleanup_spares_caps_of_live_processes():
+    ok, why = can_cap()
+    if not ok:
+        pytest.skip(why)
+    hierarchy, _ = cpucap._find_hierarchy()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live_dir = hierarchy.root / f"{cpucap._PREFIX}{os.getpid()}-test01"
+    dead_dir = hierarchy.root / f"{cpucap._PREFIX}{dead.pid}-test02"
+    live_dir.mkdir()
+    dead_dir.mkdir()
+    try:
+        cpucap.remove_stale_caps()  # another rank setting up its cap concurrently must not lose it
+        assert live_dir.exists() and not dead_dir.exists()
+    finally:
+        for d in (live_dir, dead_dir):
+            if d.exists():
+                d.rmdir()

@@ -25,10 +25,9 @@ _RSS_SCRIPT = textwrap.dedent(r"""
         raise KeyError(key)
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048),
-                                torch.nn.Tanh(), torch.nn.Linear(2048, 512))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(2048, 512)
+    x = torch.randn(4096, 64)
 
     def step():
         opt.zero_grad()
@@ -54,7 +53,7 @@ def test_tracker_peak_matches_peak_rss_within_10_percent():
     env = environ()
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # glibc: large blocks are mmapped, freed to the OS at once
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["tracker_growth"] > 50e6, r  # the step allocates well above RSS noise
@@ -73,10 +72,10 @@ def test_tracker_counts_storages_once_and_frees():
         b.add_(1)  # in place: nothing new
         c = b * 2
         assert tr.live_bytes - tr.start_bytes == 2_000_000
-        del b, v
-        assert tr.live_bytes - tr.start_bytes == 2_000_000  # c alive, b's storage freed? no: v/b deleted
+        del b, v  # last references to the first storage
+        assert tr.live_bytes - tr.start_bytes == 1_000_000
         del c
-        assert tr.live_bytes == tr.start_bytes + 1_000_000 or tr.live_bytes == tr.start_bytes
+        assert tr.live_bytes == tr.start_bytes
         assert tr.peak_bytes - tr.start_bytes == 2_000_000
     del a
 

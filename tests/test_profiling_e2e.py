@@ -140,9 +140,9 @@ def _rank_run(rank, world, out_dir):
             kept = dict(live.saved)  # bytes each unit saved for backward (what a plan's 'keep' holds)
             marker.phase("backward")
             loss.backward()
-            with memrt_range("grad_sync"):  # four equal buckets, like DDP's gradient buckets
+            with memrt_range("grad_sync"):  # eight equal buckets, like DDP's gradient buckets
                 flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-                for bucket in flat[: flat.numel() // 4 * 4].chunk(4):
+                for bucket in flat[: flat.numel() // 8 * 8].chunk(8):
                     both("all_reduce", bucket, lambda: dist.all_reduce(bucket), redop="sum")
             marker.phase("optimizer")
             opt.step()

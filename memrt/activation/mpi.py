@@ -1,27 +1,55 @@
-"""Unchanged torchrun scripts under mpiexec: the rendezvous address torch's ``env://`` needs.
+"""Unchanged torchrun scripts under mpiexec / srun: the rendezvous address torch's ``env://`` needs.
 
-At start-up :mod:`memrt.activation.autoload` filled ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from the MPI
+At start-up :mod:`memrt.activation.autoload` filled ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from the
 launcher's variables; here, when the script calls ``init_process_group`` without an address (no
-``init_method``, no ``store``, no ``MASTER_ADDR``), rank 0's address and a free port are agreed over
-mpi4py (:func:`memrt.launcher.mpi_rendezvous`) and handed to torch as ``MASTER_ADDR``/``MASTER_PORT``.
+``init_method``, no ``store``, no ``MASTER_ADDR``), one is supplied as ``MASTER_ADDR``/``MASTER_PORT``:
+
+- MPI launchers: rank 0's address and a free port, agreed over mpi4py (:func:`memrt.launcher.mpi_rendezvous`);
+- srun: the first host of the step's node list and a port derived from the job id (every rank computes
+  the same values without talking to the others).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import re
+from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from memrt.activation import session
 from memrt.config import environ
 from memrt.launcher import mpi_rendezvous
 
-__all__ = ["rendezvous_kwargs"]
+__all__ = ["rendezvous_kwargs", "slurm_master", "first_host"]
+
+_SLURM_PORT_BASE = 20000
+"""srun jobs use port 20000 + (job id mod 20000): the same on every rank, rarely shared by two jobs."""
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    m = re.match(r"\s*([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ValueError(f"cannot read a host from SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def slurm_master(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) for an srun step, or None when SLURM's variables are missing."""
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not nodes or not job or not job.isdigit():
+        return None
+    return first_host(nodes), _SLURM_PORT_BASE + int(job) % 20000
 
 
 def rendezvous_kwargs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` for init_process_group, after making an env:// rendezvous possible under MPI."""
-    if not session.launch_info().is_mpi:
+    """``kwargs`` for init_process_group, after making an env:// rendezvous possible under MPI or srun."""
+    launch = session.launch_info()
+    if not (launch.is_mpi or launch.launcher == "slurm") or launch.world_size <= 1:
         return kwargs
     init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
     if kwargs.get("store") is not None or init_method not in (None, "env://"):
@@ -29,7 +57,14 @@ def rendezvous_kwargs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     env = environ()
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         return kwargs
-    url = urlparse(mpi_rendezvous())
-    os.environ["MASTER_ADDR"] = url.hostname or "127.0.0.1"  # a write for torch's env:// reader
-    os.environ["MASTER_PORT"] = str(url.port)
+    if launch.is_mpi:
+        url = urlparse(mpi_rendezvous())
+        addr, port = url.hostname or "127.0.0.1", url.port
+    else:
+        found = slurm_master(env)
+        if found is None:
+            return kwargs  # torch's own error will name MASTER_ADDR
+        addr, port = found
+    os.environ["MASTER_ADDR"] = addr  # writes for torch's env:// reader; memrt reads through memrt.config
+    os.environ["MASTER_PORT"] = str(port)
     return kwargs

@@ -95,12 +95,15 @@ def _cgroup_of(pid: int, hierarchy: _Hierarchy) -> Path:
 
 
 def remove_stale_caps() -> int:
-    """Remove empty memrt cap cgroups left by processes that died; returns how many were removed."""
+    """Remove empty memrt cap cgroups whose process (named in the cgroup) has died; returns how many."""
     hierarchy, _ = _find_hierarchy()
     if hierarchy is None:
         return 0
     removed = 0
     for d in hierarchy.root.glob(_PREFIX + "*"):
+        pid = d.name[len(_PREFIX):].split("-")[0]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists():
+            continue  # its process lives: a cap being set up or in use (another rank's, maybe)
         try:
             if not (d / "cgroup.procs").read_text().strip():
                 d.rmdir()

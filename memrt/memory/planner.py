@@ -209,20 +209,25 @@ def _build(profile: Profile, options_fn: OptionsFn) -> _Model:
 
 def _prune(b: np.ndarray, cost: np.ndarray, inf: np.ndarray, resolution: int, span: int) -> np.ndarray:
     """Indices of the Pareto-optimal points (lower bytes, lower cost) per in-flight value, thinned."""
-    keep_all = []
-    for v in np.unique(inf):
-        idx = np.nonzero(inf == v)[0]
-        order = idx[np.lexsort((cost[idx], b[idx]))]
-        c = cost[order]
-        prev_min = np.minimum.accumulate(np.concatenate(([np.inf], c[:-1])))
-        order = order[c < prev_min]
-        if len(order) > resolution:
-            cell = (b[order] - b[order[0]]) * resolution // max(1, span)
-            # within a cell keep the cheapest (last, since cost falls as bytes grow)
-            last = np.nonzero(np.diff(np.append(cell, cell[-1] + 1)))[0]
-            order = order[last]
-        keep_all.append(order)
-    return np.concatenate(keep_all) if keep_all else np.zeros(0, dtype=np.int64)
+    if inf.size and inf.min() == inf.max():
+        return _front(np.arange(len(b)), b, cost, resolution, span)
+    return np.concatenate([_front(np.nonzero(inf == v)[0], b, cost, resolution, span) for v in np.unique(inf)])
+
+
+def _front(idx: np.ndarray, b: np.ndarray, cost: np.ndarray, resolution: int, span: int) -> np.ndarray:
+    order = idx[np.lexsort((cost[idx], b[idx]))]
+    c = cost[order]
+    run_min = np.minimum.accumulate(c)
+    keep = np.empty(len(c), dtype=bool)
+    keep[0] = True
+    keep[1:] = c[1:] < run_min[:-1]
+    order = order[keep]
+    if len(order) > resolution:
+        cell = (b[order] - b[order[0]]) * resolution // max(1, span)
+        # within a cell keep the cheapest (the last one: cost falls as bytes grow along the front)
+        last = np.nonzero(np.diff(np.append(cell, cell[-1] + 1)))[0]
+        order = order[last]
+    return order
 
 
 def _solve(m: _Model, budget: int | None, mode: str, resolution: int) -> tuple[list[int], float] | None:
@@ -344,7 +349,7 @@ def predict_peak(profile: Profile, actions: Sequence[str]) -> int:
 
 
 def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int = 0, offload: str | None = None,
-         bandwidths: Any = None, extra_options: OptionsFn | None = None, resolution: int = 2048) -> Plan:
+         bandwidths: Any = None, extra_options: OptionsFn | None = None, resolution: int = 512) -> Plan:
     """Least added time with the predicted peak <= ``budget - margin_bytes``.
 
     ``budget``: bytes, a size string ("3GiB"), or None (no limit: keep everything). ``offload``: None/"none"
@@ -359,18 +364,23 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
         budget = None if parsed is None else parsed.resolve(None)
     m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options))
     keep_all = _peak(m, [0] * len(m.R))
-    best_peak = _solve(m, None, "peak", resolution)
+    # the least peak: a coarse front for the record; the full one only when it decides feasibility
+    best_peak = _solve(m, None, "peak", min(resolution, 256))
     assert best_peak is not None
     min_feasible = _peak(m, best_peak[0])
     if budget is None:
         pick = [0] * len(m.R)
     else:
         target = int(budget) - int(margin_bytes)
-        if min_feasible > target:
+        res = _solve(m, target, "time", resolution) if keep_all > target else ([0] * len(m.R), 0.0)
+        if res is None:
+            best_peak = _solve(m, None, "peak", 4 * resolution)
+            assert best_peak is not None
+            min_feasible = min(min_feasible, _peak(m, best_peak[0]))
+        if res is None and min_feasible > target:
             raise BudgetError(int(budget), min_feasible + int(margin_bytes),
                               f"{len(m.R)} unit calls; keep-all peak {keep_all} bytes"
                               + (f"; {margin_bytes} bytes held back after a measured overshoot" if margin_bytes else ""))
-        res = _solve(m, target, "time", resolution)
         pick = res[0] if res is not None else best_peak[0]  # thinning can hide a fit the peak solve found
     units = []
     for k, (u, j) in enumerate(zip(profile.units, pick)):

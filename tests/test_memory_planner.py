@@ -1,0 +1,125 @@
+"""Planner maths: exact against brute force, fast for 200 units, JSON/table, pluggable options, units."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import numpy as np
+import pytest
+
+import memrt
+from memrt.memory.planner import Plan, UnitOption, _build, _peak, base_options, min_feasible_budget, plan
+from memrt.memory.profile import Constraint, Profile, UnitProfile
+
+
+def synthetic(n: int, seed: int) -> Profile:
+    rng = np.random.default_rng(seed)
+    units = []
+    for k in range(n):
+        inp = int(rng.integers(1, 20)) * 1000
+        saved = inp + int(rng.integers(0, 200)) * 1000
+        units.append(UnitProfile(
+            index=k, name=f"blocks.{k}", saved_bytes=saved, input_bytes=inp, saved_not_input_bytes=saved - inp,
+            forward_seconds=float(rng.uniform(0.001, 0.01)), forward_start_bytes=50_000,
+            forward_keep_transient_bytes=saved + int(rng.integers(0, 50)) * 1000,
+            forward_recompute_transient_bytes=int(rng.integers(0, 80)) * 1000,
+            has_backward=True, backward_start_bytes=60_000,
+            backward_recompute_transient_bytes=saved + int(rng.integers(0, 50)) * 1000,
+            backward_transient_bytes=saved + int(rng.integers(0, 100)) * 1000))
+    cons = [Constraint(prefix=k, bytes=50_000 + int(rng.integers(0, 30)) * 1000, label="forward") for k in range(n + 1)]
+    cons.append(Constraint(prefix=0, bytes=90_000, label="optimizer", shifted=False))
+    return Profile(units=units, constraints=cons, start_live_bytes=40_000, end_live_bytes=60_000)
+
+
+def brute(profile: Profile, budget: int):
+    m = _build(profile, base_options)
+    best = None
+    for pick in itertools.product(range(2), repeat=len(m.R)):
+        pk = _peak(m, pick)
+        t = sum(m.T[k][j] for k, j in enumerate(pick))
+        if pk <= budget and (best is None or t < best[0] - 1e-12):
+            best = (t, pick)
+    min_peak = min(_peak(m, p) for p in itertools.product(range(2), repeat=len(m.R)))
+    return best, min_peak
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_is_exact_against_brute_force(seed):
+    prof = synthetic(9, seed)
+    m = _build(prof, base_options)
+    keep_all = _peak(m, [0] * 9)
+    _, min_peak = brute(prof, 0)
+    assert min_feasible_budget(prof) == min_peak
+    for frac in (0.3, 0.6, 0.9):
+        budget = int(min_peak + frac * (keep_all - min_peak))
+        (t_best, _), _ = brute(prof, budget)
+        p = plan(prof, budget)
+        assert p.predicted_peak_bytes <= budget
+        assert p.added_seconds == pytest.approx(t_best, rel=1e-9, abs=1e-12)
+
+
+def test_budget_error_names_min_feasible():
+    prof = synthetic(6, 1)
+    mf = min_feasible_budget(prof)
+    with pytest.raises(memrt.BudgetError) as info:
+        plan(prof, mf - 1)
+    assert info.value.min_feasible_bytes == mf and str(mf) in str(info.value)
+    assert plan(prof, mf).predicted_peak_bytes <= mf
+
+
+def test_planning_200_units_under_a_second():
+    prof = synthetic(200, 7)
+    mf = min_feasible_budget(prof)
+    keep_all = plan(prof, None).predicted_peak_bytes
+    t0 = time.perf_counter()
+    p = plan(prof, (mf + keep_all) // 2)
+    assert time.perf_counter() - t0 < 1.0
+    assert p.predicted_peak_bytes <= (mf + keep_all) // 2
+    assert p.planning_seconds < 1.0
+
+
+def test_plan_table_and_json_round_trip():
+    prof = synthetic(5, 3)
+    p = plan(prof, (min_feasible_budget(prof) + plan(prof, None).predicted_peak_bytes) // 2)
+    p.measured_peak_bytes = 123
+    q = Plan.from_json(p.to_json())
+    assert q == p
+    text = str(p)
+    for col in ("unit", "action", "kept MiB", "freed MiB", "added ms", "predicted", "measured"):
+        assert col in text
+    assert all(u.name in text for u in p.units)
+    assert Profile.from_json(prof.to_json()) == prof
+    json.loads(p.to_json())
+
+
+def test_extra_option_kinds_plug_in():
+    prof = synthetic(6, 2)
+    mf = min_feasible_budget(prof)
+
+    def cheap_offload(u: UnitProfile):
+        return [UnitOption(action="offload_test", resident_bytes=0, added_seconds=u.forward_seconds / 10,
+                           backward_transient_bytes=u.saved_bytes, inflight_bytes=1000)]
+
+    p = plan(prof, mf, extra_options=cheap_offload)
+    assert any(u.action == "offload_test" for u in p.units)
+    assert p.predicted_peak_bytes <= mf
+    assert min_feasible_budget(prof, extra_options=cheap_offload) <= mf
+
+
+def test_find_units_defaults_and_override():
+    from memrt.memory.units import find_units
+    from memrt.testing.models import GPT, ConvNet, GPTConfig, KwargsMLP, SharedBlockNet
+
+    names = lambda m, u=None: [n for n, _ in find_units(m, u)]  # noqa: E731
+    assert names(GPT(GPTConfig(n_layer=3))) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert names(ConvNet(n_blocks=2)) == ["blocks.0", "blocks.1"]
+    assert names(KwargsMLP(n_blocks=2)) == ["blocks.0", "blocks.1"]
+    assert names(SharedBlockNet(n_blocks=2), ["Sequential"]) == ["shared", "blocks.0", "blocks.1"]
+    assert names(GPT(GPTConfig(n_layer=2)), ["LayerNorm"])[:2] == ["blocks.0.ln1", "blocks.0.ln2"]
+    import torch.nn as nn
+
+    assert names(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == ["0", "1"]  # no repeats: direct children
+    with pytest.raises(ValueError, match="matches no submodule"):
+        find_units(ConvNet(), ["NoSuchBlock"])
