@@ -65,7 +65,15 @@ class FusedWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._pack.done
+        """Non-blocking; a deferred pack is sent now, so polling callers make progress."""
+        pack = self._pack
+        if pack.done:
+            return True
+        pack.ensure_launched()
+        if all(w is None or not hasattr(w, "is_completed") or w.is_completed() for w, _, _ in pack.works):
+            pack.complete()
+            return True
+        return False
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
@@ -102,12 +110,15 @@ class _Pack:
             work = _all_reduce(buf, self.op, self.group, True)
             self.works.append((work, buf, idx))
 
-    def complete(self) -> None:
-        if self.done:
-            return
+    def ensure_launched(self) -> None:
         if not self.launched:
             _auto.flush_until(self)
             self.launch()
+
+    def complete(self) -> None:
+        if self.done:
+            return
+        self.ensure_launched()
         for work, buf, idx in self.works:
             if work is not None:
                 work.wait()
@@ -227,8 +238,8 @@ def intercept(tensor: torch.Tensor, op: Any, async_op: bool) -> FusedWork | None
     work), else flush what is pending (so order is kept) and return None for the caller to proceed."""
     s = _auto.settings
     if s.enabled and async_op and tensor.numel() * tensor.element_size() <= s.max_tensor_bytes and \
-            tensor.is_contiguous():
-        return _auto.defer(tensor, op)
+            tensor.is_contiguous() and (tensor.is_floating_point() or "AVG" not in str(op).upper()):
+        return _auto.defer(tensor, op)  # (integer AVG is not deferred: its error is raised at the call)
     flush()
     return None
 

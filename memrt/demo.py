@@ -175,44 +175,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _argv(args: argparse.Namespace, out: Path, extra: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-m", "memrt.demo", "--worker", "--out", str(out), "--steps", str(args.steps),
+            "--batch", str(args.batch), *extra]
+
+
 def _launch(args: argparse.Namespace, out: Path, env_base: dict[str, str], cluster: Any,
             extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Start every rank, wait (bounded), return their results by rank; raise with stderr on failure."""
+    """Start every rank, wait (bounded), return their results by rank; raise with the output on failure.
+
+    Each rank's output goes to ``<run>-rank<N>.log`` next to ``out``. On an emulated cluster the ranks are
+    started by :func:`memrt.cluster.launch.run_on_cluster` (torchrun's variables, one namespace per node).
+    """
     world = args.nodes * args.procs
-    master = cluster.addrs[0] if cluster is not None else "127.0.0.1"
-    port = _free_port() if cluster is None else 29500 + (os.getpid() % 2000)
-    procs = []
-    for rank in range(world):
-        env = dict(env_base)
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % args.procs),
-                   LOCAL_WORLD_SIZE=str(args.procs), MASTER_ADDR=master, MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "memrt.demo", "--worker", "--out", str(out), "--steps", str(args.steps),
-                "--batch", str(args.batch), *extra]
-        log = open(out.parent / f"{out.name}-rank{rank}.log", "w+")
-        if cluster is not None:
-            p = cluster.popen(rank // args.procs, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        else:
-            p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append((p, log))
-    deadline = time.monotonic() + args.timeout
-    failed = []
-    try:
-        for rank, (p, log) in enumerate(procs):
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                failed.append((rank, "timed out"))
-                break
-            if p.returncode != 0:
-                failed.append((rank, f"exit code {p.returncode}"))
-                break
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+    env_base = {**env_base, "OMP_NUM_THREADS": "1"}
+    if cluster is not None:
+        from memrt.cluster.launch import run_on_cluster
+
+        results = run_on_cluster(_argv(args, out, extra), cluster=cluster, ranks_per_node=args.procs,
+                                 env=env_base, timeout_s=args.timeout, check=False)
+        for res in results:
+            (out.parent / f"{out.name}-rank{res.rank}.log").write_text(res.stdout + res.stderr)
+        failed = [(res.rank, f"exit code {res.returncode}") for res in results if res.returncode != 0]
+    else:
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(env_base)
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % args.procs),
+                       LOCAL_WORLD_SIZE=str(args.procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = open(out.parent / f"{out.name}-rank{rank}.log", "w+")
+            procs.append((subprocess.Popen(_argv(args, out, extra), env=env, stdout=log, stderr=subprocess.STDOUT),
+                          log))
+        deadline = time.monotonic() + args.timeout
+        failed = []
+        try:
+            for rank, (p, log) in enumerate(procs):
+                try:
+                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    failed.append((rank, "timed out"))
+                    break
+                if p.returncode != 0:
+                    failed.append((rank, f"exit code {p.returncode}"))
+                    break
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
     if failed:
         rank, why = failed[0]
         text = (out.parent / f"{out.name}-rank{rank}.log").read_text()[-3000:]

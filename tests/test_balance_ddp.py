@@ -39,7 +39,7 @@ def _scenarios(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_processes(_scenarios, 2, env={"MEMRT_TOPOLOGY": "0;1"}, timeout=150, pg_timeout_s=60)
+    return run_processes(_scenarios, 2, env={"MEMRT_TOPOLOGY": "0;1"}, timeout=240, pg_timeout_s=120)
 
 
 def _close(a, b):

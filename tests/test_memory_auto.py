@@ -168,6 +168,16 @@ def test_disable_restores_model_exactly():
     train(model, batch, loss_fn, 3, budget=int(0.6 * eager_peak("kwargs_mlp")))
     assert any(u.action == "recompute" for u in memrt.plan_of(model).units)
     assert list(model.state_dict().keys()) == keys and [id(p) for p in model.parameters()] == params
+    # copies and pickles of an instrumented model carry no memrt state
+    import io
+
+    clone = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        assert torch.equal(clone.eval()(x), model.eval()(x))
+    model.train()
     memrt.disable(model)
     assert memrt.plan_of(model) is None
     assert [(n, type(m)) for n, m in model.named_modules()] == types

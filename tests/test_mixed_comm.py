@@ -84,7 +84,7 @@ def _mixed_worker(rank, world):
 def test_forced_mixed_kinds_stage_and_match_torch_distributed():
     from memrt.balance.experiment import Spec, reference_params
 
-    res = run_processes(_mixed_worker, 2, env={"MEMRT_FORCE_DEVICE_KIND": "0=cuda,1=cpu"}, timeout=120)
+    res = run_processes(_mixed_worker, 2, env={"MEMRT_FORCE_DEVICE_KIND": "0=cuda,1=cpu"}, timeout=240)
     r0, r1 = res
     assert r0["choice"] == r1["choice"] == ("gloo", ("cuda", "cpu"), (True, False))
     for r in res:

@@ -219,6 +219,7 @@ def test_stats_published_to_recorder(tmp_path):
     engine = OffloadEngine("disk", directory=tmp_path, min_bytes=16)
     with engine.pack_hooks(0):
         out = torch.tanh(torch.randn(64, 64, requires_grad=True)).sum()
+    engine.synchronize()  # written before backward (else backward may use the bytes still in memory)
     out.backward()
     engine.close()
     meta = get_recorder().meta["offload"]

@@ -185,3 +185,20 @@ def test_forked_child_does_not_remove_parent_folders(tmp_path):
     finally:
         engine.close()
     assert not engine.directory.exists()
+
+
+def test_plan_larger_than_free_space_fails_before_the_first_write(tmp_path):
+    import memrt
+    from memrt.memory.planner import Plan, UnitPlan
+
+    cfg = GPTConfig(n_layer=2, d_model=32, seq_len=16)
+    x, y = gpt_batch(cfg, 2)
+    model = GPT(cfg)
+    plan = Plan(units=[UnitPlan(name=f"blocks.{i}", action="offload_disk", bytes_moved=10**18) for i in range(2)])
+    memrt.apply(model, plan, offload_dir=str(tmp_path))
+    try:
+        with pytest.raises(OffloadError, match=f"offload folder {tmp_path}.* free but the plan writes"):
+            lm_loss(model(x), y)
+    finally:
+        memrt.disable(model)
+    assert list(tmp_path.iterdir()) == []

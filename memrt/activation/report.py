@@ -96,7 +96,10 @@ def _plans(sess: Session) -> list[dict[str, Any]]:
         from memrt import plan_of
     except (ImportError, AttributeError):
         return out
-    for module in sess.tracked:
+    for ref in sess.tracked:
+        module = ref()
+        if module is None:
+            continue
         try:
             plan = plan_of(module)
         except Exception:  # noqa: BLE001

@@ -68,7 +68,7 @@ class Session:
     models: list[dict[str, Any]] = field(default_factory=list)
     """One entry per DDP / FSDP2 module memrt set up: type, parameters, budget, plan."""
     tracked: list[Any] = field(default_factory=list)
-    """The modules themselves (to read their final plans at exit)."""
+    """Weak references to the planned modules (to read their final plans at exit)."""
     comm_hooks: int = 0
     """DDP models whose gradient all-reduce goes through memrt.comm."""
     failures: list[str] = field(default_factory=list)
@@ -143,7 +143,10 @@ def _undo_plans(session: Session) -> None:
         from memrt import disable
     except ImportError:
         return
-    for module in session.tracked:
+    for ref in session.tracked:
+        module = ref()
+        if module is None:
+            continue
         try:
             disable(module)
         except Exception:  # noqa: BLE001 - best effort: the warning below is what the user sees

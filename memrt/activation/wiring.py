@@ -16,6 +16,7 @@ go through :func:`memrt.activation.session.fail` (one warning, memrt steps aside
 from __future__ import annotations
 
 import logging
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -63,7 +64,7 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
         finally:
             entry["memory"] = "failed"
         raise
-    sess.tracked.append(module)
+    sess.tracked.append(weakref.ref(module))
     entry["memory"] = "planned at step 1 (profile), in force from step 2"
     entry["guarded_steps"] = _guard_steps(module)
 

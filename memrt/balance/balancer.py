@@ -238,6 +238,11 @@ def _memrt_comm_hook(ddp_model: Any, *, required: bool) -> tuple[Any, Any]:
             raise RuntimeError(f"comm='memrt' needs memrt.comm's DDP hook, which is unavailable ({exc}); "
                                "use comm='torch'") from exc
         return None, None
-    if not required and mcomm.get_topology().num_nodes <= 1:
-        return None, None
+    if not required:
+        try:
+            if mcomm.get_topology().num_nodes <= 1:
+                return None, None
+        except Exception as exc:  # noqa: BLE001 - discovery trouble: reduce with torch.distributed instead
+            logger.warning("memrt.comm topology unavailable (%s): reducing with torch.distributed", exc)
+            return None, None
     return hook, state_cls(process_group=ddp_model.process_group)

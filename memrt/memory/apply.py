@@ -47,19 +47,11 @@ class Instrumentation:
             self._saved.append((module, had, module.__dict__.get("forward")))
             original = module.forward
             module.forward = self._make_forward(name, module, original)
-        self._hook = model.register_forward_pre_hook(self._pre, with_kwargs=True) if on_step else None
+        self._hook = (model.register_forward_pre_hook(_StepHook(self), with_kwargs=True)
+                      if on_step else None)
 
     def _make_forward(self, name: str, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-        ref = weakref.ref(self)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            inst = ref()
-            if inst is None or inst._removed:
-                return original(*args, **kwargs)
-            return inst.unit_call(name, module, original, args, kwargs)
-
-        forward.__wrapped__ = original  # type: ignore[attr-defined]
-        return forward
+        return _UnitForward(self, name, module, original)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled() and self.on_step is not None:
@@ -77,6 +69,59 @@ class Instrumentation:
             else:
                 module.__dict__.pop("forward", None)
         self._saved.clear()
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    return type(module).forward.__get__(module)
+
+
+def _no_step(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    return None
+
+
+class _UnitForward:
+    """The forward installed on a unit instance. A deep copy or pickle of the model gets the plain
+    class forward instead (copies and checkpoints carry no memrt state)."""
+
+    __slots__ = ("ref", "name", "module", "original", "__weakref__")
+
+    def __init__(self, inst: Instrumentation, name: str, module: nn.Module, original: Callable[..., Any]) -> None:
+        self.ref = weakref.ref(inst)
+        self.name, self.module, self.original = name, module, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inst = self.ref()
+        if inst is None or inst._removed:
+            return self.original(*args, **kwargs)
+        return inst.unit_call(self.name, self.module, self.original, args, kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.original
+
+    def __reduce__(self):
+        return (_class_forward, (self.module,))
+
+
+class _StepHook:
+    """The model's forward pre-hook; copies of the model get a no-op in its place."""
+
+    __slots__ = ("ref", "__weakref__")
+
+    def __init__(self, inst: Instrumentation) -> None:
+        self.ref = weakref.ref(inst)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inst = self.ref()
+        if inst is not None and not inst._removed:
+            inst._pre(module, args, kwargs)
+
+    def __reduce__(self):
+        return (_no_step_hook, ())
+
+
+def _no_step_hook() -> Callable[..., None]:
+    return _no_step
 
 
 # -- action registry ----------------------------------------------------------------------------------
@@ -100,7 +145,10 @@ class ApplyContext:
                 from memrt.memory.offload import OffloadEngine
             except ImportError as exc:
                 raise RuntimeError("this plan offloads but memrt.memory.offload is not available") from exc
-            self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self._model())
+            from memrt.memory.offload import plan_bytes  # plan-sized: free-space check / pinned pool (issue 4)
+
+            self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self._model(),
+                                               required_bytes=plan_bytes(getattr(self, "plan", None), tier))
         return self.engines[tier]
 
     def close(self) -> None:
@@ -176,6 +224,7 @@ class ApplyHandle:
 
         self.plan = plan
         self.context = ApplyContext(model, model_device(model), offload_dir)
+        self.context.plan = plan  # offload engines size themselves from it (issue 4)
         self._handlers: dict[str, ActionHandler] = {}
         self._calls: dict[str, int] = {}
         self._index = 0
@@ -185,6 +234,7 @@ class ApplyHandle:
 
     def set_plan(self, plan: Any) -> None:
         self.plan = plan
+        self.context.plan = plan  # offload engines size themselves from it (issue 4)
 
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self._calls.clear()

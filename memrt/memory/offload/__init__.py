@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from memrt.memory.offload.bandwidth import Bandwidths, load_bandwidths, probe_bandwidths
-from memrt.memory.offload.engine import TIERS, OffloadEngine, OffloadStats
+from memrt.memory.offload.engine import TIERS, OffloadEngine, OffloadStats, plan_bytes
 from memrt.memory.offload.errors import OffloadError
 from memrt.memory.offload.options import OFFLOAD_ACTIONS, offload_options
 from memrt.memory.offload.wrap import OffloadHandle, offload_units, recompute_offload
@@ -25,6 +25,7 @@ __all__ = [
     "load_bandwidths",
     "offload_options",
     "offload_units",
+    "plan_bytes",
     "probe_bandwidths",
     "recompute_offload",
 ]

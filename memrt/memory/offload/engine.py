@@ -28,7 +28,7 @@ from memrt.memory.offload import cleanup
 from memrt.memory.offload.errors import OffloadError
 from memrt.memory.offload.stats import OffloadStats
 
-__all__ = ["OffloadEngine", "OffloadStats", "TIERS"]
+__all__ = ["OffloadEngine", "OffloadStats", "TIERS", "plan_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +110,15 @@ class OffloadEngine:
         max_pending_bytes: bytes waiting to be written before ``pack`` blocks (disk tier).
         host_pool_bytes: pinned pool size for the host tier (from the plan; grows if short).
         keep: modules whose parameters and buffers are never offloaded (e.g. the model).
+        required_bytes: bytes the plan moves to this tier per step: the disk tier checks the folder's
+            free space against it now (before training), the host tier sizes its pinned pool with it.
     """
 
     def __init__(self, tier: str, *, device: str | torch.device | None = None,
                  directory: str | Path | None = None, min_bytes: int = _DEFAULT_MIN_BYTES,
                  verify: bool | None = None, prefetch_units: int = 1,
                  max_pending_bytes: int = _DEFAULT_PENDING_BYTES, host_pool_bytes: int = 0,
-                 keep: nn.Module | None = None, record: bool = True) -> None:
+                 keep: nn.Module | None = None, record: bool = True, required_bytes: int = 0) -> None:
         if tier not in TIERS:
             raise OffloadError(f"unknown offload tier {tier!r}: expected one of {', '.join(TIERS)} (MEMRT_OFFLOAD)")
         if min_bytes < 0 or prefetch_units < 0:
@@ -146,7 +148,7 @@ class OffloadEngine:
         if tier == "host":
             from memrt.memory.offload.host import HostTier
 
-            self._tier = HostTier(self.device, pool_bytes=host_pool_bytes)
+            self._tier = HostTier(self.device, pool_bytes=max(int(host_pool_bytes), int(required_bytes)))
         else:
             from memrt.config import load_config
             from memrt.memory.offload.disk import DiskTier
@@ -162,6 +164,12 @@ class OffloadEngine:
                                   max_pending_bytes=max_pending_bytes,
                                   on_trace=self._trace if record else None)
         self._finalizer = weakref.finalize(self, _close_tier, self._tier, self.directory)
+        if required_bytes and tier == "disk":
+            try:
+                self.check_space(required_bytes)
+            except OffloadError:
+                self._finalizer()
+                raise
 
     # ---- public API ---------------------------------------------------------------------------
     def keep_storages(self, module: nn.Module) -> None:
@@ -387,6 +395,14 @@ class OffloadEngine:
         if self._closed:
             raise OffloadError("this offload engine is closed; create a new one (memrt.apply does this per plan)")
         self._tier.check()
+
+
+def plan_bytes(plan, tier: str) -> int:
+    """Bytes a plan (``memrt.Plan``-like: ``units`` with ``action`` and ``bytes_moved``) sends to ``tier`` per step."""
+    if plan is None:
+        return 0
+    return int(sum(getattr(u, "bytes_moved", 0) or 0 for u in getattr(plan, "units", ())
+                   if str(getattr(u, "action", "")).endswith(f"offload_{tier}")))
 
 
 def _close_tier(tier, directory: Path | None) -> None:
