@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 """Pipeline chunk: 4 MiB keeps fill/drain under ~10% of a 64 MiB call at 1 Gbit/s (16 chunks)."""
 
+MIN_AUTO_CHUNK_BYTES = 256 * 1024
+"""Smallest chunk the automatic choice uses (per-operation latency dominates below)."""
+
 INTER_DEPTH = 3
 """Inter-node all-reduces kept in flight by the pipeline."""
 
@@ -116,13 +119,17 @@ def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *,
                             inter_all_reduce: InterAllReduce | None = None,
-                            chunk_bytes: int = DEFAULT_CHUNK_BYTES, groups: HierGroups | None = None) -> torch.Tensor:
+                            chunk_bytes: int | None = None, groups: HierGroups | None = None) -> torch.Tensor:
     """All-reduce ``tensor`` in place across every rank of ``topology``; returns ``tensor``.
 
-    Collective: every rank calls it with the same shape, dtype, op and chunk_bytes.
+    Collective: every rank calls it with the same shape, dtype, op and chunk_bytes. ``chunk_bytes=None``
+    picks ``nbytes / 8`` clamped to [256 KiB, 4 MiB] (at least ~8 chunks in flight for mid sizes).
     """
     opn = op_name(op)
     check_reducible(tensor, opn)
+    if chunk_bytes is None:
+        nbytes = tensor.numel() * tensor.element_size()
+        chunk_bytes = min(DEFAULT_CHUNK_BYTES, max(MIN_AUTO_CHUNK_BYTES, nbytes // 8))
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes} is not valid: expected a positive number of bytes")
     g = groups if groups is not None else torch_groups(topology)

@@ -187,7 +187,7 @@ class MPIBackend:
                         pass
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "SUM", *, algorithm: str = "auto",
-                   chunk_bytes: int = alg.DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+                   chunk_bytes: int | None = None) -> torch.Tensor:
         """In place; ``algorithm`` flat | hier | auto (hier when the topology has several nodes)."""
         if tensor.device.type != "cpu":
             numpy_view(tensor)  # raises the error that says what to do

@@ -74,6 +74,14 @@ def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other
         algorithms.hierarchical_all_reduce(mine, op, other, chunk_bytes=chunk_bytes)
         _compare(f"{numel} {dtname} {op} nodes={other.nodes}", mine, reference(inputs, other.nodes, op), theirs,
                  dtype, failures)
+    # hierarchical broadcast on the (uneven) public topology, from every node position
+    for numel, src in ((7, 0), (1000003, 2), (1000003, 3)):
+        a = make_input(rank, numel, torch.float32, "SUM")
+        b = a.clone()
+        dist.broadcast(a, src=src)
+        tdist.broadcast(b, src=src)
+        if not torch.equal(a, b):
+            failures.append(f"broadcast {numel} from {src} nodes={topo.nodes}")
     return failures
 
 

@@ -142,6 +142,7 @@ def test_planner_budget_below_checkpoint_every_block_is_met(tmp_path):
         own = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None] + [x, y]
         own += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
         tracker = CpuMemoryTracker().start(own, scan_gc=False)
+        del own  # holding last step's gradients would keep them alive through zero_grad
         try:
             step()
         finally:

@@ -41,7 +41,7 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, dim=2))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // HEADS)
-        att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=x.device).tril(), float("-inf")).softmax(-1)
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.ln2(x))
 
@@ -54,7 +54,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(x)
@@ -89,14 +89,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (spawned)")
     parser.add_argument("--probe-dir", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank, LOCAL_RANK)")
+    parser.add_argument("--backend", default="gloo", help="gloo, or nccl with --device cuda")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device(args.device)
+    if device.type == "cuda":  # the usual order: pick the device, then init (no collective before it)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TinyGPT()
-    ddp = DistributedDataParallel(model)
+    model = TinyGPT().to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     data = Tokens(args.batch * world * args.steps)
     loader_kw = {}
@@ -108,6 +114,7 @@ def main() -> None:
                         **loader_kw)
     torch.manual_seed(100 + rank)  # dropout masks differ per rank, and must be replayed exactly
     for step, (x, y) in enumerate(loader):
+        x, y = x.to(device), y.to(device)
         loss = F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -115,7 +122,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, args.out)
     dist.barrier()
     dist.destroy_process_group()
 
