@@ -222,20 +222,26 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
     except (ImportError, AttributeError) as exc:
         return [], [skip_line("memrt", f"memrt.auto is not available yet ({exc})")]
     arms, notes = [], []
-    for b in budgets:
+    todo, tried = list(budgets), set()
+    while todo:
+        b = todo.pop(0)
+        tried.add(b)
         arm = _new_arm(w, f"memrt@{fmt_bytes(b)}", lambda m: m)
         auto(arm.model, budget=int(b))
         arm.forward = arm.model
         try:
             for _ in range(2):  # step 1 profiles, step 2 certifies
                 _step(w, arm)
-        except Exception as exc:  # BudgetError names the smallest feasible budget; report, go on
-            notes.append(skip_line(arm.name, f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # BudgetError names the smallest feasible budget: report it, try that one
+            notes.append(skip_line(arm.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
+            least = getattr(exc, "min_feasible_bytes", None)
+            if least and least not in tried and least not in todo:
+                todo.append(int(least))
             continue
         plan = memrt.plan_of(arm.model)
         if plan is not None:
-            arm.note = (f"plan: {sum(u.action != 'keep' for u in plan.units)}/{len(plan.units)} units not kept, "
-                        f"memrt-measured peak {fmt_bytes(plan.measured_peak_bytes)}")
+            arm.note = (f"{sum(u.action != 'keep' for u in plan.units)}/{len(plan.units)} units not kept; "
+                        f"memrt's own peak {fmt_bytes(plan.measured_peak_bytes)}")
         arms.append(arm)
     return arms, notes
 

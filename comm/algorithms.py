@@ -1,9 +1,10 @@
 """Hierarchical collectives: intra-node reduce-scatter -> inter-node all-reduce -> intra-node all-gather.
 
 :func:`hierarchical_all_reduce` cuts the tensor into chunks of ``chunk_bytes`` and runs a three-stage
-software pipeline: while the intra-node reduce-scatter of chunk k+1 runs (one process group), the
-inter-node all-reduce of chunk k (per-segment groups) and the intra-node all-gather of chunk k-1
-(a second intra-node group) are in flight too.
+software pipeline: while the intra-node reduce-scatter of chunk k+1 runs (one process group, or the
+shared-memory tier for CPU tensors on one host), the inter-node all-reduces of chunks k, k-1, ...
+(up to :data:`INTER_DEPTH`, per-segment groups) and the intra-node all-gather of older chunks (a
+second intra-node group) are in flight too; the slow link always has queued work.
 
 Reduction order (what makes float results reproducible; the tests check it bitwise):
 ``result = node_0 (op) node_1 (op) ...`` where ``node_i = r_0 (op) r_1 (op) ... (op) r_{k-1}`` over the
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 """Pipeline chunk: 4 MiB keeps fill/drain under ~10% of a 64 MiB call at 1 Gbit/s (16 chunks)."""
 
-MIN_AUTO_CHUNK_BYTES = 256 * 1024
+MIN_AUTO_CHUNK_BYTES = 1024 * 1024
 """Smallest chunk the automatic choice uses (per-operation latency dominates below)."""
 
 INTER_DEPTH = 3
@@ -123,7 +124,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
     """All-reduce ``tensor`` in place across every rank of ``topology``; returns ``tensor``.
 
     Collective: every rank calls it with the same shape, dtype, op and chunk_bytes. ``chunk_bytes=None``
-    picks ``nbytes / 8`` clamped to [256 KiB, 4 MiB] (at least ~8 chunks in flight for mid sizes).
+    picks ``nbytes / 8`` clamped to [1 MiB, 4 MiB] (at least ~8 chunks in flight for mid sizes).
     """
     opn = op_name(op)
     check_reducible(tensor, opn)

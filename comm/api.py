@@ -32,7 +32,7 @@ __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup
 
 logger = logging.getLogger(__name__)
 
-AUTO_MIN_BYTES = 256 * 1024
+AUTO_MIN_BYTES = 4 * 1024 * 1024
 """Below this size MEMRT_COMM=auto stays flat (latency dominates; two extra hops do not pay)."""
 
 
@@ -410,7 +410,8 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     algorithm, predicted = _decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
-    if codec and codec != "none" and algorithm.startswith("hier") and tensor.is_floating_point() and opn in ("SUM", "AVG"):
+    if codec and codec != "none" and algorithm != "off" and _st.groups is not None and \
+            tensor.is_floating_point() and opn in ("SUM", "AVG"):  # compress= asked for: inter hop compressed
         algorithm = f"hier+{codec}"
     elif codec == "none" and "+" in algorithm:
         algorithm = "hier"

@@ -2,8 +2,8 @@
 
 ``choose(op, nbytes, dtype, topology, config)`` returns a :class:`Decision`: ``flat`` (torch's ring
 over all ranks), ``hier`` (intra reduce-scatter -> inter all-reduce -> intra all-gather) or
-``hier+<codec>`` (the same with the inter hop compressed; only when ``MEMRT_COMPRESS``/``compress=``
-asks for it, for floating-point sums). ``MEMRT_COMM=flat|hier`` forces the algorithm; ``off`` means
+``hier+<codec>`` (the same with the inter hop compressed: whenever ``MEMRT_COMPRESS``/``compress=``
+asks for it, for floating-point sums on more than one node; the reason still lists every prediction). ``MEMRT_COMM=flat|hier`` forces the algorithm; ``off`` means
 torch.distributed untouched (reported as flat). Predictions come from :mod:`memrt.comm.costmodel`
 with the links measured by :mod:`memrt.comm.probe` (or conservative defaults before a probe).
 """
@@ -107,6 +107,11 @@ def choose(op: str, nbytes: int, dtype: Any, topology: Any, config: Any = None, 
         algo = f"hier+{compress}" if codec_ok else "hier"
         return Decision(algorithm=algo, predicted_seconds=times[algo], reason="forced by MEMRT_COMM=hier"
                         + (f" with MEMRT_COMPRESS={compress}" if codec_ok else ""), candidates=times)
+    if codec_ok:  # compression was asked for (MEMRT_COMPRESS / compress=): the user's choice, not the model's
+        algo = f"hier+{compress}"
+        others = ", ".join(f"{a} {times[a] * 1e3:.3g} ms" for a in cands if a != algo)
+        return Decision(algorithm=algo, predicted_seconds=times[algo], candidates=times,
+                        reason=f"MEMRT_COMPRESS={compress}: {algo} predicted {times[algo] * 1e3:.3g} ms ({others}; {size})")
     best = min(times, key=times.get)
     others = ", ".join(f"{a} {times[a] * 1e3:.3g} ms" for a in cands if a != best)
     return Decision(algorithm=best, predicted_seconds=times[best], candidates=times,

@@ -7,7 +7,8 @@ training code is identical; memrt plans memory for the DDP model and routes its 
 
 Printed side by side: peak memory of one training step vs the budget (both runs measured by the same
 CPU tracker), tokens/s, all-reduce bytes per tier, final loss and whether the parameters are equal,
-then memrt's plan. The budget defaults to the stock run's model state plus 60% of its activations.
+then memrt's plan. The budget defaults to 30% of the way from memrt's smallest feasible budget to its
+keep-everything peak, both profiled (memrt.profile / memrt.plan) by the stock run's ranks after training.
 
 ``--nodes 2`` runs 2 ranks on each of 2 nodes: an emulated cluster (two network namespaces joined by a
 rate-limited link) when run as root, else one machine with the nodes faked by ``MEMRT_TOPOLOGY``.
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (>= 4; default 6)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
     parser.add_argument("--budget", default=None,
-                        help="memrt's MEMRT_BUDGET (default: stock model state + 60%% of its activations)")
+                        help="memrt's MEMRT_BUDGET (default: 30%% of the way from memrt's smallest feasible "
+                             "budget to its keep-everything peak, profiled by the stock run)")
     parser.add_argument("--rate", default="200mbit", help="inter-node link of the emulated cluster (root only)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")

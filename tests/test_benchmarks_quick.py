@@ -38,7 +38,7 @@ def test_benchmarks_quick_modes(tmp_path):
     assert "SKIP save_on_cpu" in out
     memrt_rows = [r for r in rows.values() if r["memrt"]]
     skipped = {s["arm"] for s in data["results"]["gpt"]["skipped"]}
-    assert memrt_rows or "memrt" in skipped, "memrt arm neither measured nor reported as skipped"
+    assert memrt_rows or any(a.startswith("memrt") for a in skipped), "memrt arm neither measured nor skipped"
     for r in memrt_rows:
         assert "time_vs_fastest_fitting" in r
     assert (tmp_path / "memory_frontier.png").exists()

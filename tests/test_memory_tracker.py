@@ -61,7 +61,18 @@ def test_tracker_peak_matches_peak_rss_within_10_percent():
     assert 0.9 <= ratio <= 1.1, r
 
 
-def test_tracker_counts_storages_once_and_frees():
+@pytest.fixture
+def no_gc():
+    """Other tests' garbage must not be collected (and counted as freed) in the middle of a count."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_tracker_counts_storages_once_and_frees(no_gc):
     tr = CpuMemoryTracker()
     a = torch.ones(1000)  # made before start: found by the gc scan
     with tr:
@@ -77,10 +88,11 @@ def test_tracker_counts_storages_once_and_frees():
         del c
         assert tr.live_bytes == tr.start_bytes
         assert tr.peak_bytes - tr.start_bytes == 2_000_000
-    del a
+        del a
+        assert tr.start_bytes - tr.live_bytes == 4000  # a pre-existing storage freed
 
 
-def test_tracker_ghosts_and_segments():
+def test_tracker_ghosts_and_segments(no_gc):
     with CpuMemoryTracker() as tr:
         base = tr.live_bytes
         t = torch.zeros(1000)
@@ -97,7 +109,7 @@ def test_tracker_ghosts_and_segments():
         del u
 
 
-def test_tracker_sees_backward_and_optimizer():
+def test_tracker_sees_backward_and_optimizer(no_gc):
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(64, 256)

@@ -166,6 +166,16 @@ def _on_torch(torch_module: Any) -> None:
 
     _replace(distributed_c10d, "init_process_group", make_init)
     _replace(dist, "init_process_group", make_init)
+    wrapped_destroy = None
+
+    def make_destroy(original):
+        nonlocal wrapped_destroy
+        if wrapped_destroy is None:
+            wrapped_destroy = _wrap_destroy_process_group(original)
+        return wrapped_destroy
+
+    _replace(distributed_c10d, "destroy_process_group", make_destroy)
+    _replace(dist, "destroy_process_group", make_destroy)
     _replace(DistributedDataParallel, "__init__", _wrap_ddp_init)
 
 
@@ -210,6 +220,36 @@ def _wrap_init_process_group(original: Callable) -> Callable:
         return result
 
     return init_process_group
+
+
+_DESTROYING = threading.local()
+
+
+def _wrap_destroy_process_group(original: Callable) -> Callable:
+    """torch's destroy_process_group also tears down what activation set up in memrt.comm (its heartbeat
+    thread and executor), as ``memrt.comm.destroy_process_group`` would."""
+
+    @functools.wraps(original)
+    def destroy_process_group(group=None):
+        comm_api = sys.modules.get("memrt.comm.api")
+        if (getattr(_DESTROYING, "active", False) or _session.current() is None or comm_api is None
+                or getattr(getattr(comm_api, "_st", None), "topology", None) is None):
+            return original(group)
+        import torch.distributed as dist
+
+        if group is not None and group is not dist.GroupMember.WORLD:
+            return original(group)
+        _DESTROYING.active = True
+        try:
+            comm_api.destroy_process_group(group)  # ends in torch's own (this wrapper passes it through)
+        except Exception as exc:  # noqa: BLE001
+            _session.fail("memrt.comm teardown", exc)
+            if dist.is_initialized():
+                original(group)
+        finally:
+            _DESTROYING.active = False
+
+    return destroy_process_group
 
 
 def _ensure_session() -> "_session.Session | None":

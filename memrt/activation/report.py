@@ -196,3 +196,21 @@ def at_exit() -> None:
             sys.stderr.flush()
     except Exception as exc:  # noqa: BLE001 - exit must not fail because of the report
         logger.warning("memrt: writing the report of rank %d failed (%s: %s)", sess.rank, type(exc).__name__, exc)
+    finally:
+        _stop_comm_threads()
+        # Let the store (and, on the rank hosting it, its server thread) close now, while the interpreter is
+        # whole, rather than in the C++ destructors run during interpreter teardown.
+        sess.store = None
+
+
+def _stop_comm_threads() -> None:
+    """Stop memrt.comm's heartbeat thread and executor when the job exits without destroying its group."""
+    comm_api = sys.modules.get("memrt.comm.api")
+    state = getattr(comm_api, "_st", None)
+    try:
+        if getattr(state, "health", None) is not None:
+            state.health.stop()
+        if getattr(state, "executor", None) is not None:
+            state.executor.shutdown(wait=True)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        logger.debug("stopping memrt.comm threads failed", exc_info=True)

@@ -96,7 +96,12 @@ class IOThread:
     def drain(self, timeout: float = _WAIT_TIMEOUT_S) -> None:
         """Wait until every queued job ran."""
         done = threading.Event()
-        self.submit(done.set)
+
+        def mark() -> None:
+            done.set()
+
+        mark.always = True  # type: ignore[attr-defined]  # also after an I/O error
+        self.submit(mark)
         if not done.wait(timeout) and self._thread.is_alive():
             raise OffloadError(f"offload I/O did not finish within {timeout:.0f} s")
 
