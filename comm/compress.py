@@ -102,8 +102,9 @@ def encode(x: torch.Tensor, codec: str, *, residual: torch.Tensor | None = None,
     _check(codec)
     x = x.reshape(-1)
     numel = x.numel()
-    payload = torch.empty(Codec(codec).wire_bytes(numel), dtype=torch.uint8)
-    scratch = torch.empty(min(numel, BLOCK_ELEMENTS)) if residual is not None and sent_out is None else None
+    payload = torch.empty(Codec(codec).wire_bytes(numel), dtype=torch.uint8, device=x.device)
+    scratch = (torch.empty(min(numel, BLOCK_ELEMENTS), device=x.device)
+               if residual is not None and sent_out is None else None)
     for s in range(0, numel, BLOCK_ELEMENTS):
         e = min(numel, s + BLOCK_ELEMENTS)
         y = x[s:e].float()
@@ -123,7 +124,7 @@ def decode(payload: torch.Tensor, codec: str, numel: int, *, out: torch.Tensor |
     if payload.storage_offset() % 4:  # a slice of a received buffer: realign before viewing as wider types
         payload = payload.clone()
     if out is None:
-        out = torch.empty(numel)
+        out = torch.empty(numel, device=payload.device)
         accumulate = False
     if codec in ("bf16", "fp16"):
         src = payload[: 2 * numel].view(torch.bfloat16 if codec == "bf16" else torch.float16)
@@ -159,15 +160,15 @@ class ErrorFeedback:
         self._residuals: dict[Hashable, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def buffer(self, key: Hashable, numel: int) -> torch.Tensor:
+    def buffer(self, key: Hashable, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The residual of ``key`` for a tensor of ``numel`` elements (a new zero buffer if the size changed)."""
         with self._lock:
             r = self._residuals.get(key)
-            if r is None or r.numel() != numel:
+            if r is None or r.numel() != numel or r.device != torch.device(device):
                 if r is not None:
                     logger.warning("error-feedback residual of key %r had %d elements, the tensor has %d: residual "
                                    "dropped (give each call site its own key)", key, r.numel(), numel)
-                r = self._residuals[key] = torch.zeros(numel)
+                r = self._residuals[key] = torch.zeros(numel, device=device)
             return r
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
@@ -220,7 +221,7 @@ def compressed_all_reduce(shard: torch.Tensor, group=None, codec: str = "int8", 
     flat = shard.reshape(-1)
     n = flat.numel()
     if m == 2:
-        out = _pair(flat, group, codec, None if key is None else ef.buffer(key, n))
+        out = _pair(flat, group, codec, None if key is None else ef.buffer(key, n, flat.device))
     else:
         out = _two_phase(flat, group, codec, key, ef, m)
     shard.copy_(out.view(shard.shape))
@@ -239,7 +240,7 @@ def _pair(flat: torch.Tensor, group, codec: str, residual: torch.Tensor | None) 
 
     n = flat.numel()
     me = dist.get_rank(group)
-    out = torch.empty(n)
+    out = torch.empty(n, device=flat.device)
     pending: list = []
 
     def finish(item) -> None:
@@ -267,7 +268,7 @@ def _two_phase(flat, group, codec, key, ef, m):
     x = flat.float()
     if per * m != n:
         x = torch.nn.functional.pad(x, (0, per * m - n))
-    res = ef.buffer(key, per * m) if key is not None else None
+    res = ef.buffer(key, per * m, x.device) if key is not None else None
     payloads = [encode(x[i * per:(i + 1) * per], codec, residual=None if res is None else res[i * per:(i + 1) * per])
                 for i in range(m)]
     send = torch.cat(payloads)
@@ -278,11 +279,11 @@ def _two_phase(flat, group, codec, key, ef, m):
     for r in range(1, m):
         decode(recv[r * wire:(r + 1) * wire], codec, per, out=reduced, accumulate=True)
     me = dist.get_rank(group)
-    res2 = ef.buffer((key, "reduced", me), per) if key is not None else None
+    res2 = ef.buffer((key, "reduced", me), per, x.device) if key is not None else None
     payload = encode(reduced, codec, residual=res2)
     gathered = [torch.empty_like(payload) for _ in range(m)]
     dist.all_gather(gathered, payload, group=group)
-    out = torch.empty(per * m)
+    out = torch.empty(per * m, device=x.device)
     for i, g in enumerate(gathered):
         decode(g, codec, per, out=out[i * per:(i + 1) * per])
     return out[:n]
