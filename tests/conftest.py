@@ -38,3 +38,14 @@ def emulated_cluster():
         pytest.skip(why)
     with EmulatedCluster("1gbit") as cluster:
         yield cluster
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: threads spin against each other on a loaded 2-core machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

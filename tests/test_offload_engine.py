@@ -15,13 +15,7 @@ from memrt.memory.offload import OffloadEngine, OffloadError, offload_units
 from memrt.testing.models import GPT, ConvNet, GPTConfig, KwargsMLP, SharedBlockNet, gpt_batch, lm_loss
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Intra-op threads spin against each other on a loaded 2-core machine: one thread is 50x steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gpt():

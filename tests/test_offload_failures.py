@@ -18,12 +18,7 @@ from memrt.memory.offload import cleanup
 from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _saved_forward(engine, n=4, size=64 * 1024):

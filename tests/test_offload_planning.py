@@ -15,12 +15,7 @@ from memrt.memory.profile import UnitProfile
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _unit(**kw) -> UnitProfile:

@@ -108,11 +108,14 @@ def _rank_run(rank, world, out_dir):
     def both(op, tensor, call, *, late=False, **kw):
         if late and rank == 1:
             time.sleep(0.003)  # rank 1 arrives late: the straggler view must name it
-        t0 = time.perf_counter()
+        # The independent clock brackets the collective itself, not the recorder's own bookkeeping
+        # (a GC pause while a record is created would otherwise count as collective time).
         with timed(op, tensor, None, "flat", **kw):
+            t0 = time.perf_counter()
             call()
+            t1 = time.perf_counter()
         independent.setdefault(f"{op}/{kw.get('nbytes', tensor.numel() * tensor.element_size())}", []).append(
-            time.perf_counter() - t0)
+            t1 - t0)
 
     for _ in range(ITERS):
         for nbytes in SIZES_BYTES:
