@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -320,48 +321,51 @@ def run(args: argparse.Namespace) -> int:
         else:
             topo_source = f"nodes faked by MEMRT_TOPOLOGY ({why})"
     work = Path(tempfile.mkdtemp(prefix="memrt-demo-"))
-    run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    report_dir = Path.cwd() / "memrt-report" / run_id
     try:
-        if cluster is not None:
-            cluster.__enter__()
-        t0 = time.perf_counter()
-        stock = _launch(args, work / "stock", {**base, "MEMRT": "0"}, cluster,
-                        () if args.budget is not None else ("--calibrate",))
-        t_stock = time.perf_counter() - t0
-        if args.budget is not None:
-            budget = parse_budget("--budget", args.budget)
-            budget_bytes = budget.resolve(None) if budget.bytes is not None else None
-            if budget_bytes is None:
-                import psutil
+        run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+        report_dir = Path.cwd() / "memrt-report" / run_id
+        try:
+            if cluster is not None:
+                cluster.__enter__()
+            t0 = time.perf_counter()
+            stock = _launch(args, work / "stock", {**base, "MEMRT": "0"}, cluster,
+                            () if args.budget is not None else ("--calibrate",))
+            t_stock = time.perf_counter() - t0
+            if args.budget is not None:
+                budget = parse_budget("--budget", args.budget)
+                budget_bytes = budget.resolve(None) if budget.bytes is not None else None
+                if budget_bytes is None:
+                    import psutil
 
-                budget_bytes = budget.resolve(psutil.virtual_memory().total)
-        else:
-            low = max(r["min_feasible_bytes"] for r in stock)
-            high = max(r["keep_all_bytes"] for r in stock)
-            budget_bytes = int(low + BUDGET_POSITION * (high - low))
-        ns = argparse.Namespace(budget=str(budget_bytes), offload=None, comm=None, compress=None,
-                                topology=";".join(",".join(map(str, n)) for n in nodes) if args.nodes == 2 else None,
-                                report_dir=str(report_dir), log_level=None, strict=False)
-        env = command_environment(ns, base)
-        env["MEMRT_RUN_ID"] = run_id
-        t1 = time.perf_counter()
-        mem = _launch(args, work / "memrt", env, cluster)
-        t_mem = time.perf_counter() - t1
+                    budget_bytes = budget.resolve(psutil.virtual_memory().total)
+            else:
+                low = max(r["min_feasible_bytes"] for r in stock)
+                high = max(r["keep_all_bytes"] for r in stock)
+                budget_bytes = int(low + BUDGET_POSITION * (high - low))
+            ns = argparse.Namespace(budget=str(budget_bytes), offload=None, comm=None, compress=None,
+                                    topology=";".join(",".join(map(str, n)) for n in nodes) if args.nodes == 2 else None,
+                                    report_dir=str(report_dir), log_level=None, strict=False)
+            env = command_environment(ns, base)
+            env["MEMRT_RUN_ID"] = run_id
+            t1 = time.perf_counter()
+            mem = _launch(args, work / "memrt", env, cluster)
+            t_mem = time.perf_counter() - t1
+        finally:
+            if cluster is not None:
+                cluster.close()
+        log0 = (work / "memrt-rank0.log").read_text().splitlines()
+        banner = "\n".join(line for line in log0 if line.startswith("memrt"))
+        summary = _print_results(args, stock, mem, budget_bytes, nodes, topo_source, report_dir, banner,
+                                 work / "stock", work / "memrt")
+        print(f"wall time: stock run {t_stock:.1f}s, memrt run {t_mem:.1f}s (process start-up included)")
+        if args.json_out:
+            summary["wall_seconds"] = [t_stock, t_mem]
+            Path(args.json_out).write_text(json.dumps(summary, indent=1))
+        # One node: the all-reduce is the same flat sum, so memrt must be bitwise exact. Across nodes the
+        # hierarchical sum rounds differently; the difference is printed for the reader to judge.
+        return 0 if summary["parameters_equal"] or args.nodes > 1 else 1
     finally:
-        if cluster is not None:
-            cluster.close()
-    log0 = (work / "memrt-rank0.log").read_text().splitlines()
-    banner = "\n".join(line for line in log0 if line.startswith("memrt"))
-    summary = _print_results(args, stock, mem, budget_bytes, nodes, topo_source, report_dir, banner,
-                             work / "stock", work / "memrt")
-    print(f"wall time: stock run {t_stock:.1f}s, memrt run {t_mem:.1f}s (process start-up included)")
-    if args.json_out:
-        summary["wall_seconds"] = [t_stock, t_mem]
-        Path(args.json_out).write_text(json.dumps(summary, indent=1))
-    # One node: the all-reduce is the same flat sum, so memrt must be bitwise exact. Across nodes the
-    # hierarchical sum rounds differently; the difference is printed for the reader to judge.
-    return 0 if summary["parameters_equal"] or args.nodes > 1 else 1
+        shutil.rmtree(work, ignore_errors=True)  # the per-run scratch dir (logs, rank outputs)
 
 
 if __name__ == "__main__":
