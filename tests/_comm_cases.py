@@ -56,3 +56,18 @@ def reference(inputs: list[torch.Tensor], nodes, op: str) -> torch.Tensor:
     if op == "AVG":
         total = total / len(inputs)
     return total
+
+
+def compare(tag: str, mine: torch.Tensor, ref: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype,
+            failures: list[str]) -> None:
+    """Append to ``failures`` unless ``mine`` equals the reference order bit for bit and is close to
+    torch.distributed's result (equal for integers)."""
+    if not torch.equal(mine, ref):
+        bad = (mine != ref).nonzero()[:3].flatten().tolist()
+        failures.append(f"{tag}: differs from the reference order at {bad}")
+    if dtype.is_floating_point:
+        tol = 1e-5 if dtype == torch.float32 else 0.1
+        if not torch.allclose(mine.float(), theirs.float(), rtol=tol, atol=tol):
+            failures.append(f"{tag}: not close to torch.distributed's")
+    elif not torch.equal(mine, theirs):
+        failures.append(f"{tag}: differs from torch.distributed's")

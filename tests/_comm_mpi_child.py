@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch.distributed as tdist  # noqa: E402
 
 import memrt.comm as dist  # noqa: E402
-from _comm_cases import DTYPES, MIB64, OPS, make_input, reference  # noqa: E402
+from _comm_cases import DTYPES, MIB64, OPS, compare, make_input, reference  # noqa: E402
 from memrt.comm import algorithms  # noqa: E402
 from memrt.comm.mpi_backend import MPIBackend, mixed_groups  # noqa: E402
 from memrt.comm.topology import Topology  # noqa: E402
@@ -31,14 +31,7 @@ fails = []
 
 
 def check(tag, mine, ref, theirs, dtype):
-    if not torch.equal(mine, ref):
-        fails.append(f"{tag}: differs from the reference order")
-    if dtype.is_floating_point:
-        tol = 1e-5 if dtype == torch.float32 else 0.1
-        if not torch.allclose(mine.float(), theirs.float(), rtol=tol, atol=tol):
-            fails.append(f"{tag}: not close to torch.distributed's")
-    elif not torch.equal(mine, theirs):
-        fails.append(f"{tag}: differs from torch.distributed's")
+    compare(tag, mine, ref, theirs, dtype, fails)
 
 
 cases = [(n, d, op) for n in (1, 7, 1000003) for d in DTYPES for op in OPS] + [(MIB64 // 4, torch.float32, "SUM")]

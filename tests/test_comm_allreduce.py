@@ -14,21 +14,11 @@ import torch
 
 from memrt.testing import run_processes
 
-from _comm_cases import DTYPES, MIB64, OPS, make_input, reference
+from _comm_cases import DTYPES, MIB64, OPS, compare, make_input, reference
 
 SMALL_SIZES = (1, 7, 1000003)
 
 
-def _compare(tag, mine, ref, theirs, dtype, failures):
-    if not torch.equal(mine, ref):
-        bad = (mine != ref).nonzero()[:3].flatten().tolist()
-        failures.append(f"{tag}: differs from the reference order at {bad}")
-    if dtype.is_floating_point:
-        tol = 1e-5 if dtype == torch.float32 else 0.1
-        if not torch.allclose(mine.float(), theirs.float(), rtol=tol, atol=tol):
-            failures.append(f"{tag}: not close to torch.distributed's")
-    elif not torch.equal(mine, theirs):
-        failures.append(f"{tag}: differs from torch.distributed's")
 
 
 def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other_nodes, chunk_bytes: int) -> list[str]:
@@ -67,12 +57,12 @@ def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other
         work = dist.all_reduce(mine, op=getattr(dist.ReduceOp, op), async_op=bool(i % 2))
         if work is not None:
             work.wait()
-        _compare(f"{numel} {dtname} {op} nodes={topo.nodes}", mine, reference(inputs, topo.nodes, op), theirs, dtype,
+        compare(f"{numel} {dtname} {op} nodes={topo.nodes}", mine, reference(inputs, topo.nodes, op), theirs, dtype,
                  failures)
         # direct call, the other topology, small chunks so the pipeline runs over many chunks
         mine = x.clone()
         algorithms.hierarchical_all_reduce(mine, op, other, chunk_bytes=chunk_bytes)
-        _compare(f"{numel} {dtname} {op} nodes={other.nodes}", mine, reference(inputs, other.nodes, op), theirs,
+        compare(f"{numel} {dtname} {op} nodes={other.nodes}", mine, reference(inputs, other.nodes, op), theirs,
                  dtype, failures)
     # hierarchical broadcast on the (uneven) public topology, from every node position
     for numel, src in ((7, 0), (1000003, 2), (1000003, 3)):
