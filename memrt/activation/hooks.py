@@ -156,27 +156,26 @@ def _on_torch(torch_module: Any) -> None:
     from torch.distributed import distributed_c10d
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = None
-
-    def make_init(original):
-        nonlocal wrapped
-        if wrapped is None:
-            wrapped = _wrap_init_process_group(original)
-        return wrapped
-
+    # One wrapper per function, shared by torch.distributed and distributed_c10d (the first original wins).
+    make_init = _wrap_once(_wrap_init_process_group)
     _replace(distributed_c10d, "init_process_group", make_init)
     _replace(dist, "init_process_group", make_init)
-    wrapped_destroy = None
-
-    def make_destroy(original):
-        nonlocal wrapped_destroy
-        if wrapped_destroy is None:
-            wrapped_destroy = _wrap_destroy_process_group(original)
-        return wrapped_destroy
-
+    make_destroy = _wrap_once(_wrap_destroy_process_group)
     _replace(distributed_c10d, "destroy_process_group", make_destroy)
     _replace(dist, "destroy_process_group", make_destroy)
     _replace(DistributedDataParallel, "__init__", _wrap_ddp_init)
+
+
+def _wrap_once(wrap: Any) -> Any:
+    """``make(original)`` that builds ``wrap(original)`` on its first call and returns that same wrapper after."""
+    built: list[Any] = []
+
+    def make(original: Any) -> Any:
+        if not built:
+            built.append(wrap(original))
+        return built[0]
+
+    return make
 
 
 def _on_fsdp(fsdp_module: Any) -> None:
