@@ -88,13 +88,37 @@ class Runner:
         return p
 
 
-def alternate(runners: list[Runner], repeats: int) -> list[float]:
-    """Median step seconds of each runner, timed round-robin (shared-machine noise hits all alike)."""
+def alternate(runners: list[Runner], repeats: int, warmup: int = 2) -> list[float]:
+    """Median step seconds of each runner, timed round-robin after ``warmup`` untimed rounds; the
+    order reverses every round (ABBA), so neither runner always follows the other."""
+    for _ in range(warmup):
+        for r in runners:
+            r.step()
     times: list[list[float]] = [[] for _ in runners]
-    for _ in range(repeats):
-        for i, r in enumerate(runners):
-            times[i].append(r.timed())
+    for k in range(repeats):
+        order = list(range(len(runners)))
+        if k % 2:
+            order.reverse()
+        for i in order:
+            times[i].append(runners[i].timed())
     return [statistics.median(t) for t in times]
+
+
+def paired_ratio(a: Runner, b: Runner, repeats: int, warmup: int = 2) -> tuple[float, float, float]:
+    """(median seconds of a, of b, median of the per-round ratios a/b), rounds in ABBA order: each
+    ratio compares two steps taken back to back, so slow spells of a shared machine cancel."""
+    for _ in range(warmup):
+        a.step()
+        b.step()
+    ta, tb = [], []
+    for k in range(repeats):
+        if k % 2:
+            y, x = b.timed(), a.timed()
+        else:
+            x, y = a.timed(), b.timed()
+        ta.append(x)
+        tb.append(y)
+    return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         cfg, batch = GPTConfig(n_layer=16, d_model=1024, n_head=16, seq_len=1024, vocab_size=8192, dropout=0.1), 8
     n_budgets = args.budgets or (3 if args.quick else 5)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (6 if args.quick else 10)
     watch_optimizers()
     torch.manual_seed(0)
     base = GPT(cfg)
@@ -168,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                "recomputed": sum(u.action == "recompute" for u in plan.units), "units": len(plan.units)}
         if fits:
             best = min(fits, key=lambda s: times[s])
-            t_memrt, t_base = alternate([mr, runners[best]], repeats)
+            t_memrt, t_base, ratio = paired_ratio(mr, runners[best], repeats)
             row.update(baseline=best, baseline_peak_bytes=peaks[best], baseline_seconds=t_base,
-                       memrt_seconds=t_memrt, ratio=t_memrt / t_base)
+                       memrt_seconds=t_memrt, ratio=ratio)
         else:
             (t_memrt,) = alternate([mr], repeats)
             row.update(baseline=None, memrt_seconds=t_memrt, ratio=None)

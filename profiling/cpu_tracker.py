@@ -1,7 +1,7 @@
 """Live tensor bytes on the CPU: peak and timeline (PyTorch keeps no allocator statistics for the CPU).
 
 How it counts: while active, a ``TorchDispatchMode`` sees the output of every operator; each CPU storage
-it has not seen yet is added (its ``nbytes``) and gets a ``weakref.finalize`` that subtracts it when
+it has not seen yet is added (its ``nbytes``) and gets a weak reference whose callback subtracts it when
 the storage dies. Storages that already exist when tracking starts (parameters, gradients, optimizer
 state, inputs) are found by scanning the garbage collector's objects (plus ``.grad`` of every tensor)
 and any tensors passed in ``extra``. Views and in-place results share a storage and count once.
@@ -73,6 +73,19 @@ def tensor_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | No
     return total
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that knows the storage's key (cheaper than weakref.finalize)."""
+
+    __slots__ = ("key",)
+
+    def __new__(cls, obj: Any, callback: Any, key: int) -> "_StorageRef":
+        return super().__new__(cls, obj, callback)
+
+    def __init__(self, obj: Any, callback: Any, key: int) -> None:
+        super().__init__(obj, callback)
+        self.key = key
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: "CpuMemoryTracker") -> None:
         super().__init__()
@@ -105,7 +118,8 @@ class CpuMemoryTracker:
     def __init__(self, *, record: bool = False) -> None:
         self.record = record
         self._sizes: dict[int, int] = {}
-        self._finalizers: dict[int, weakref.finalize] = {}
+        self._refs: dict[int, _StorageRef] = {}
+        self._on_dead = self._dead_ref  # one bound method for every reference
         self._ghosts: set[int] = set()
         self._dead_ghost_bytes = 0
         self._lock = threading.RLock()
@@ -143,7 +157,7 @@ class CpuMemoryTracker:
             if old is None:
                 self._sizes[k] = n
                 self.live_bytes += n
-                self._finalizers[k] = weakref.finalize(s, self._dead, k)
+                self._refs[k] = _StorageRef(s, self._on_dead, k)
             elif old != n:  # resized in place
                 self._sizes[k] = n
                 self.live_bytes += n - old
@@ -161,10 +175,14 @@ class CpuMemoryTracker:
         if g > self.ghost_peak_bytes:
             self.ghost_peak_bytes = g
 
+    def _dead_ref(self, ref: "_StorageRef") -> None:
+        if self._refs.get(ref.key) is ref:  # not a reference replaced after stop() and a restart
+            self._dead(ref.key)
+
     def _dead(self, k: int) -> None:
         with self._lock:
             n = self._sizes.pop(k, 0)
-            self._finalizers.pop(k, None)
+            self._refs.pop(k, None)
             self.live_bytes -= n
             if k in self._ghosts:
                 self._ghosts.discard(k)
@@ -228,9 +246,7 @@ class CpuMemoryTracker:
 
             logging.getLogger(__name__).warning("CPU memory tracker: dispatch mode stack changed; tracker left inactive")
             mode.tracker = _NullTracker()  # type: ignore[assignment]
-        for f in list(self._finalizers.values()):
-            f.detach()
-        self._finalizers.clear()
+        self._refs.clear()  # dropped references never call back
         self._sizes.clear()
         self._ghosts.clear()
 
