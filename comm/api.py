@@ -326,9 +326,11 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
             logger.warning("MEMRT_COMPRESS=%s asked for, but memrt.comm.compress is missing: exact all-reduce", codec)
         return None
 
-    def inter(shard: torch.Tensor, group: Any) -> torch.Tensor:
+    def inter(shard: torch.Tensor, group: Any) -> Any:
         key = None if base_key is None else (base_key, shard.data_ptr() - flat_ptr, shard.numel())
-        return compressed_all_reduce(shard, group, codec, key)
+        # async: the payload is on the wire when this returns, the pipeline's wait() decodes it, so the
+        # helper thread encodes the next chunk while this one crosses the slow link
+        return compressed_all_reduce(shard, group, codec, key, async_op=True)
 
     return inter
 
@@ -422,9 +424,14 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     if algorithm.startswith("hier"):
         plug = _plug_for(algorithm, key if key is not None else ("all_reduce", tuple(tensor.shape), str(tensor.dtype)),
                          tensor.data_ptr())
+        chunk = None
+        if plug is not None:
+            from memrt.comm.compress import pipeline_chunk_bytes
+
+            chunk = pipeline_chunk_bytes(algorithm.split("+", 1)[1], nbytes)
         return _run("all_reduce", tensor, nbytes, algorithm, predicted,
                     lambda: alg.hierarchical_all_reduce(tensor, opn, _st.topology, inter_all_reduce=plug,
-                                                        groups=_st.groups), async_op, [tensor])
+                                                        groups=_st.groups, chunk_bytes=chunk), async_op, [tensor])
     return _flat_torch("all_reduce", tensor, nbytes,
                        lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted)
 

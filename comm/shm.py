@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from memrt.comm.tiers import DONE, combine_
+from memrt.comm.tiers import DONE, combine, combine_
 
 __all__ = ["ShmTier", "shm_available"]
 
@@ -83,14 +83,21 @@ class ShmTier:
                 names[p][self.rank].unlink(missing_ok=True)
         self._bufs, self._cap = bufs, cap
 
-    def _slab(self, t: torch.Tensor, need_bytes: int | None = None) -> int:
-        """Write ``t`` into my slab and wait for everyone; ``need_bytes`` must be equal on every member."""
+    def _slab(self, t: torch.Tensor, need_bytes: int | None = None, skip: tuple[int, int] = (0, 0)) -> int:
+        """Write ``t`` into my slab and wait for everyone; ``need_bytes`` must be equal on every member.
+        ``skip=(offset, count)``: elements nobody else reads, left unwritten."""
         nbytes = t.numel() * t.element_size()
         self._ensure(nbytes if need_bytes is None else max(need_bytes, nbytes))
         p = self._ops % 2
         self._ops += 1
         if nbytes:
-            self._bufs[p][self.rank][:nbytes].view(t.dtype).copy_(t.reshape(-1))
+            dst, src = self._bufs[p][self.rank][:nbytes].view(t.dtype), t.reshape(-1)
+            lo, hi = skip[0], skip[0] + skip[1]
+            if hi > lo:
+                dst[:lo].copy_(src[:lo])
+                dst[hi:].copy_(src[hi:])
+            else:
+                dst.copy_(src)
         self._barrier()
         return p
 
@@ -107,13 +114,28 @@ class ShmTier:
         return DONE
 
     def reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], op: str):
-        """``out`` = my piece of every member's ``inp`` reduced in member order (no intermediate copy)."""
-        p = self._slab(inp)
+        """``out`` = my piece of every member's ``inp`` reduced in member order (no intermediate copy).
+
+        Members 0 and 1 read their own piece from ``inp`` (it is consumed by the first combine, before
+        ``out``, which may alias it, is written), so they leave it out of the slab."""
         off, n = sum(splits[:self.rank]), splits[self.rank]
+        own_first = self.rank < 2 and self.size > 1
+        p = self._slab(inp, skip=(off, n) if own_first else (0, 0))
         if n:
-            out.copy_(self._peer(p, 0, inp.dtype, inp.numel())[off:off + n])
-            for m in range(1, self.size):
-                combine_(out, self._peer(p, m, inp.dtype, inp.numel())[off:off + n], op)
+            mine = inp.reshape(-1)[off:off + n]
+
+            def piece(m: int) -> torch.Tensor:
+                if m == self.rank and own_first:
+                    return mine
+                return self._peer(p, m, inp.dtype, inp.numel())[off:off + n]
+
+            if self.size == 1:
+                if out.data_ptr() != mine.data_ptr():
+                    out.copy_(mine)
+                return DONE
+            combine(piece(0), piece(1), op, out=out)
+            for m in range(2, self.size):
+                combine_(out, piece(m), op)
         return DONE
 
     def all_gather(self, out, inp):

@@ -18,7 +18,7 @@ import torch
 
 from memrt.comm.topology import Segment, Topology
 
-__all__ = ["Tier", "TorchTier", "HierGroups", "torch_groups", "op_name", "combine_", "Done", "clear_group_cache"]
+__all__ = ["Tier", "TorchTier", "HierGroups", "torch_groups", "op_name", "combine", "combine_", "Done", "clear_group_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,17 @@ def op_name(op: Any) -> str:
         raise ValueError(f"op={op!r} is not supported by memrt.comm: expected one of {', '.join(REDUCE_OPS)} "
                          "(other ops: call torch.distributed directly)")
     return name
+
+
+def combine(a: torch.Tensor, b: torch.Tensor, op: str, *, out: torch.Tensor) -> torch.Tensor:
+    """``out = a (op) b`` in one pass (``out`` may alias ``a`` or ``b``); bitwise what :func:`combine_` gives."""
+    if op in ("SUM", "AVG"):
+        return torch.add(a, b, out=out)
+    if op == "PRODUCT":
+        return torch.mul(a, b, out=out)
+    if op == "MIN":
+        return torch.minimum(a, b, out=out)
+    return torch.maximum(a, b, out=out)
 
 
 def combine_(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
