@@ -234,8 +234,19 @@ class CpuMemoryTracker:
         self._mode.__enter__()
         return self
 
+    def pause(self) -> None:
+        """Stop counting new tensors; tensors already counted still leave ``live_bytes`` when freed
+        (until :meth:`stop`). Peaks stay as they are."""
+        self._pop_mode()
+
     def stop(self) -> None:
-        """Stop watching operators (counts stay readable). Safe to call twice."""
+        """Stop watching operators and frees (counts stay readable). Safe to call twice."""
+        self._pop_mode()
+        self._refs.clear()  # dropped references never call back
+        self._sizes.clear()
+        self._ghosts.clear()
+
+    def _pop_mode(self) -> None:
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -246,9 +257,6 @@ class CpuMemoryTracker:
 
             logging.getLogger(__name__).warning("CPU memory tracker: dispatch mode stack changed; tracker left inactive")
             mode.tracker = _NullTracker()  # type: ignore[assignment]
-        self._refs.clear()  # dropped references never call back
-        self._sizes.clear()
-        self._ghosts.clear()
 
     @property
     def active(self) -> bool:

@@ -391,3 +391,41 @@ def test_cuda_peak_under_budget_and_grads_match():
     assert any(u.action == "recompute" for u in plan.units)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_work_between_steps_is_not_the_steps():
+    """Another model training between memrt's steps (what interleaved benchmarks, evaluation or a second
+    model do) is not counted: the step ends when the model's optimizer has stepped. Same plan and
+    measured peak as the model trained alone."""
+    torch.manual_seed(0)
+    base, batch, loss_fn = MODELS["gpt"]()
+    other, other_batch, _ = MODELS["gpt"]()
+    peaks: list[int] = []
+    train(copy.deepcopy(base), batch, loss_fn, 3, peaks=peaks)
+    budget = int(0.75 * max(peaks))
+
+    alone = copy.deepcopy(base)
+    train(alone, batch, loss_fn, 3, budget=budget)
+
+    model = copy.deepcopy(base)
+    memrt.auto(model, budget, offload="none", cache=PlanCache())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    big = GPT(GPTConfig(n_layer=4, d_model=64, n_head=2, seq_len=64, vocab_size=64))  # larger activations
+    big_opt = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    for s in range(3):
+        opt.zero_grad()
+        x, y = batch(s)
+        loss_fn(model(x), y).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]  # as train() does
+        opt.step()
+        for m, o, b in ((other, other_opt, other_batch(s)), (big, big_opt, gpt_batch(big.cfg, 16, seed=s))):
+            o.zero_grad()
+            lm_loss(m(b[0]), b[1]).backward()
+            o.step()
+    p, q = memrt.plan_of(model), memrt.plan_of(alone)
+    assert p.measured_peak_bytes is not None and p.measured_peak_bytes <= budget, str(p)
+    assert p.tries == 1 and [u.action for u in p.units] == [u.action for u in q.units]
+    assert p.measured_peak_bytes == q.measured_peak_bytes
+    assert p.predicted_peak_bytes == q.predicted_peak_bytes
+    del grads

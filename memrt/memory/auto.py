@@ -1,6 +1,8 @@
 """``memrt.auto(model, budget)``: profile step 1, plan, apply, certify on the next step.
 
-A step is the span from one training forward of the model (grad enabled) to the next. For each input
+A step is the span from one training forward of the model (grad enabled) to the end of the step of an
+optimizer that owns its parameters (or, without one, to the next training forward): what runs between
+the optimizer step and the next forward (evaluation, logging, another model) is not the step's. For each input
 signature (shapes, dtypes): the first step is profiled (every unit recomputed, so it needs no more
 memory than checkpointing every unit), the plan is made at the start of the next step and is in force
 from then on; that step's peak is measured (CUDA: allocator statistics; CPU: the tracker) and, over
@@ -23,7 +25,8 @@ from memrt.config import Budget, MemrtConfig, load_config, parse_budget
 from memrt.errors import BudgetError
 from memrt.memory.apply import ApplyHandle
 from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
-from memrt.memory.meter import Meter, device_capacity_bytes, known_tensors, make_meter, watch_optimizers
+from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, make_meter, on_optimizer_step,
+                                owns_parameters, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan
 from memrt.memory.profile import Profile, ProfileSession, input_signature, model_device
 from memrt.memory.units import find_units, structure_key
@@ -52,12 +55,13 @@ class _State:
         self.session: ProfileSession | None = None
         self.meter: Meter | None = None
         self.step = 0
+        self.param_ids = {id(p) for p in model.parameters()}
         self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step)
 
     # -- step boundary ------------------------------------------------------------------------------
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self.step += 1
-        self._close_previous()
+        self._close_previous(_flat_tensors((args, kwargs)))
         sig = input_signature(args, kwargs)
         key = cache_key(self.structure, sig, self.dtype, str(self.device), self.budget, self.offload)
         if key == self.key and self.entry is not None:
@@ -85,11 +89,19 @@ class _State:
         self.handle._override = self.session.unit_call
         self.session.begin((args, kwargs))
 
-    def _close_previous(self) -> None:
+    def freeze(self) -> None:
+        """An optimizer owning the model's parameters has stepped: the step's measurement stops counting
+        new tensors (frees still count, so a ``zero_grad`` before the next forward is seen); planning
+        and certification follow at the next training forward, as without an optimizer."""
+        meter = self.session.meter if self.session is not None else self.meter
+        if meter is not None:
+            meter.pause()
+
+    def _close_previous(self, next_inputs: Sequence[torch.Tensor] = ()) -> None:
         if self.session is not None:
             session, self.session = self.session, None
             self.handle._override = None
-            profile = session.end()
+            profile = session.end(next_inputs)
             self._make_plan(profile, margin=0, tries=1)
             return
         if self.meter is not None:
@@ -171,6 +183,12 @@ def _record(p: Plan) -> None:
 _STATES: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
 
 
+def _optimizer_stepped(opt: torch.optim.Optimizer) -> None:
+    for st in list(_STATES.values()):
+        if (st.session is not None or st.meter is not None) and owns_parameters(opt, st.param_ids):
+            st.freeze()
+
+
 def _resolve_budget(budget: Any, config: MemrtConfig, device: torch.device) -> int | None:
     b: Budget | None = parse_budget("budget", budget) if budget is not None else config.budget
     if b is None:
@@ -192,6 +210,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     cfg = config if config is not None else load_config(warn_unknown=False)
     disable(model)
     watch_optimizers()
+    on_optimizer_step(_optimizer_stepped)
     device = model_device(model)
     budget_bytes = _resolve_budget(budget, cfg, device)
     off = offload if offload is not None else cfg.offload

@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Meter", "CpuMeter", "CudaMeter", "make_meter", "device_capacity_bytes", "known_tensors", "watch_optimizers"]
+__all__ = ["Meter", "CpuMeter", "CudaMeter", "make_meter", "device_capacity_bytes", "known_tensors", "watch_optimizers",
+           "on_optimizer_step", "owns_parameters"]
 
 
 class Meter:
@@ -29,6 +30,8 @@ class Meter:
     def ghost(self, t: torch.Tensor) -> None: ...
     def clear_ghosts(self) -> None: ...
     def mark(self, kind: str, label: str = "") -> None: ...
+    def pause(self) -> None: ...
+    def track(self, tensors: Iterable[Any]) -> None: ...
     @property
     def peak(self) -> int: raise NotImplementedError
 
@@ -47,6 +50,14 @@ class CpuMeter(Meter):
 
     def stop(self) -> None:
         self.tracker.stop()
+
+    def pause(self) -> None:
+        """Stop counting new tensors; frees of counted ones still lower the live bytes."""
+        self.tracker.pause()
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count these tensors now (those not counted yet)."""
+        self.tracker.track(tensors)
 
     def live(self) -> int:
         return self.tracker.live_bytes
@@ -77,11 +88,20 @@ class CudaMeter(Meter):
     def start(self, extra: Iterable[Any] = ()) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = torch.cuda.memory_allocated(self.device)
+        self._paused_at: int | None = None
+
+    def pause(self) -> None:
+        """Freeze the peaks here (the allocator's counters keep moving with everything else's)."""
+        if getattr(self, "_paused_at", None) is None:
+            self._paused_at = torch.cuda.max_memory_allocated(self.device)
+            self._peak = max(self._peak, self._paused_at)
 
     def live(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
     def segment(self) -> tuple[int, int]:
+        if getattr(self, "_paused_at", None) is not None:
+            return self._paused_at, self._paused_at
         p = torch.cuda.max_memory_allocated(self.device)
         self._peak = max(self._peak, p)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -99,23 +119,45 @@ class CudaMeter(Meter):
 
     @property
     def peak(self) -> int:
+        if getattr(self, "_paused_at", None) is not None:
+            return self._peak
         return max(self._peak, torch.cuda.max_memory_allocated(self.device))
 
 
 _OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _HOOKED: list[Any] = []
+_STEP_END: list[Any] = []
 
 
 def _seen_optimizer(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _OPTIMIZERS.add(opt)
 
 
+def _stepped(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for fn in list(_STEP_END):
+        fn(opt)
+
+
 def watch_optimizers() -> None:
-    """Remember every optimizer that steps (global step pre-hook, installed once)."""
+    """Remember every optimizer that steps and tell :func:`on_optimizer_step` listeners when one has
+    stepped (global step pre- and post-hooks, installed once)."""
     if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         _HOOKED.append(register_optimizer_step_pre_hook(_seen_optimizer))
+        _HOOKED.append(register_optimizer_step_post_hook(_stepped))
+
+
+def on_optimizer_step(fn: Any) -> None:
+    """Call ``fn(optimizer)`` after every optimizer step (once per ``fn``)."""
+    watch_optimizers()
+    if fn not in _STEP_END:
+        _STEP_END.append(fn)
+
+
+def owns_parameters(opt: torch.optim.Optimizer, param_ids: set[int]) -> bool:
+    """Whether ``opt`` steps any parameter whose ``id`` is in ``param_ids``."""
+    return any(id(p) in param_ids for g in opt.param_groups for p in g["params"])
 
 
 def known_tensors(model: torch.nn.Module | None, inputs: Iterable[Any] = ()) -> list[torch.Tensor]:

@@ -215,11 +215,13 @@ class ProfileSession:
         self.meter.mark("phase", "forward")
         self._t0 = time.perf_counter()
 
-    def end(self) -> Profile:
-        """Close the step (call after the optimizer step, or at the next step's start)."""
+    def end(self, next_inputs: Sequence[torch.Tensor] = ()) -> Profile:
+        """Close the step (call after the optimizer step, or at the next step's start with that step's
+        inputs: a paused meter did not see them made, and they are part of every step's fixed bytes)."""
         if self._done:
             return self.profile
         self._done = True
+        self.meter.track(next_inputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.profile.step_seconds = time.perf_counter() - self._t0
