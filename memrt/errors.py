@@ -23,13 +23,16 @@ class ConfigError(MemrtError, ValueError):
 
 
 class BudgetError(MemrtError):
-    """No plan fits the memory budget; ``min_feasible_bytes`` is the smallest that does."""
+    """No plan fits the memory budget; ``min_feasible_bytes`` is the smallest that does and
+    ``keep_all_bytes`` (when the planner knows it) the peak with nothing recomputed or offloaded."""
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "") -> None:
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "", *,
+                 keep_all_bytes: int | None = None) -> None:
         from memrt.config import format_bytes
 
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
+        self.keep_all_bytes = None if keep_all_bytes is None else int(keep_all_bytes)
         msg = (
             f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is infeasible: the smallest "
             f"feasible budget is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); "

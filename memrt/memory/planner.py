@@ -380,7 +380,8 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
         if res is None and min_feasible > target:
             raise BudgetError(int(budget), min_feasible + int(margin_bytes),
                               f"{len(m.R)} unit calls; keep-all peak {keep_all} bytes"
-                              + (f"; {margin_bytes} bytes held back after a measured overshoot" if margin_bytes else ""))
+                              + (f"; {margin_bytes} bytes held back after a measured overshoot" if margin_bytes else ""),
+                              keep_all_bytes=keep_all + int(margin_bytes))
         pick = res[0] if res is not None else best_peak[0]  # thinning can hide a fit the peak solve found
     units = []
     for k, (u, j) in enumerate(zip(profile.units, pick)):
