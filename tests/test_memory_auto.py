@@ -429,3 +429,19 @@ def test_work_between_steps_is_not_the_steps():
     assert p.measured_peak_bytes == q.measured_peak_bytes
     assert p.predicted_peak_bytes == q.predicted_peak_bytes
     del grads
+
+
+def test_model_is_freed_after_disable():
+    """Nothing of memrt keeps a planned model (or its tensors) alive once disabled and dropped."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS["gpt"]()
+    train(model, batch, loss_fn, 3, budget=int(0.75 * eager_peak("gpt")))
+    assert memrt.plan_of(model).measured_peak_bytes is not None
+    block, weight = weakref.ref(model.blocks[0]), weakref.ref(next(model.parameters()))
+    memrt.disable(model)
+    del model
+    gc.collect()
+    assert block() is None and weight() is None

@@ -109,6 +109,33 @@ class EmulatedCluster:
         argv = [sys.executable if a == "python" else a for a in argv]
         return subprocess.Popen(self.command(node, argv), env=full_env, **kw)
 
+    def mpiexec_command(self, mpiexec: str, ranks_per_node: int, argv: Sequence[str], script_dir: str) -> list[str]:
+        """An MPICH (Hydra) command line that places ``ranks_per_node`` ranks in each namespace.
+
+        mpiexec itself runs in node 0; Hydra's ssh launcher is pointed at a small script (written to
+        ``script_dir``) that starts each host's proxy inside that host's namespace instead of over ssh,
+        so the two hosts are two nodes to MPICH. UCX is held to TCP (``UCX_TLS=tcp,self``) on the node's
+        link: left alone it sees one machine and moves the "inter-node" messages through shared memory.
+        """
+        script = os.path.join(script_dir, "memrt-netns-launch.sh")
+        cases = "\n".join(f"  {a}) ns={ns}; ifc={i} ;;" for a, ns, i in zip(self.addrs, self.nodes, self.ifaces))
+        with open(script, "w") as f:
+            f.write(f"""#!/bin/sh
+# Hydra's ssh launcher calls: <this> [ssh options] <host> <command...>; run the command in <host>'s namespace.
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "memrt emulated cluster: unknown host $host" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" env UCX_TLS=tcp,self UCX_NET_DEVICES="$ifc" FI_TCP_IFACE="$ifc" FI_PROVIDER=tcp sh -c "$*"
+""")
+        os.chmod(script, 0o755)
+        hosts = ",".join(f"{a}:{ranks_per_node}" for a in self.addrs)
+        argv = [sys.executable if a == "python" else a for a in argv]
+        return self.command(0, [mpiexec, "-launcher", "ssh", "-launcher-exec", script, "-hosts", hosts,
+                                "-n", str(2 * ranks_per_node), *argv])
+
     def measure_rate(self, seconds: float = 2.0) -> float:
         """Measured bits per second from node 1 to node 0 over a TCP stream (bounded in time)."""
         port = 29411

@@ -200,6 +200,7 @@ class ProfileSession:
         self._prev_saved: dict[int, weakref.ref] = {}
         self._t0 = 0.0
         self._done = False
+        self._hooks: list[Any] = []
 
     # -- step boundaries ----------------------------------------------------------------------------
     def begin(self, inputs: Any = ()) -> None:
@@ -230,6 +231,9 @@ class ProfileSession:
         self.profile.end_live_bytes = self.meter.live()
         self.profile.peak_bytes = self.meter.peak
         self.meter.stop()
+        for h in self._hooks:  # hooks on tensors that never got a gradient would stay registered
+            h.remove()
+        self._hooks.clear()
         for u in self.profile.units:
             if u.forward_seconds < 0:
                 u.forward_seconds = 0.0
@@ -354,10 +358,21 @@ class ProfileSession:
         outs = [t for t in _tensors(out) if t.requires_grad]
         if not outs:
             return
-        torch.autograd.graph.register_multi_grad_hook(outs, lambda _g: self._bwd_event("enter", k), mode="any")
+        # weak: a hook left on a tensor that outlives the step must not keep the session (and the model)
+        ref = weakref.ref(self)
+
+        def event(what: str) -> Callable[[Any], None]:
+            def hook(_grads: Any) -> None:
+                session = ref()
+                if session is not None:
+                    session._bwd_event(what, k)
+            return hook
+
+        reg = torch.autograd.graph.register_multi_grad_hook
+        self._hooks.append(reg(outs, event("enter"), mode="any"))
         ins = [t for t in _tensors((args, kwargs)) if t.requires_grad]
         if ins:
-            torch.autograd.graph.register_multi_grad_hook(ins, lambda _g: self._bwd_event("exit", k), mode="all")
+            self._hooks.append(reg(ins, event("exit"), mode="all"))
 
 
 def profile(model: nn.Module, step_fn: Callable[[], Any], *, units: Sequence[str] | None = None) -> Profile:
