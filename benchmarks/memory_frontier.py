@@ -263,8 +263,11 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
             continue
         plan = memrt.plan_of(arm.model)
         if plan is not None:
-            arm.note = (f"{sum(u.action != 'keep' for u in plan.units)}/{len(plan.units)} units not kept; "
-                        f"memrt's own peak {fmt_bytes(plan.measured_peak_bytes)}")
+            from collections import Counter
+
+            acts = Counter(u.action for u in plan.units if u.action != "keep")
+            arm.note = (", ".join(f"{n} {a}" for a, n in sorted(acts.items())) or "all kept") + \
+                f" of {len(plan.units)}; memrt's own peak {fmt_bytes(plan.measured_peak_bytes)}"
         arms.append(arm)
     return arms, notes
 
