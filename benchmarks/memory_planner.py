@@ -105,8 +105,10 @@ def alternate(runners: list[Runner], repeats: int, warmup: int = 2) -> list[floa
 
 
 def paired_ratio(a: Runner, b: Runner, repeats: int, warmup: int = 2) -> tuple[float, float, float]:
-    """(median seconds of a, of b, median of the per-round ratios a/b), rounds in ABBA order: each
-    ratio compares two steps taken back to back, so slow spells of a shared machine cancel."""
+    """(median seconds of a, of b, geometric mean of the per-round ratios a/b), rounds in ABBA order:
+    each ratio compares two steps taken back to back, so slow spells of a shared machine cancel, and
+    the geometric mean over ABBA rounds cancels what going first or second in a round does to a step
+    (a median of ratios would pick one side of that two-valued spread)."""
     for _ in range(warmup):
         a.step()
         b.step()
@@ -118,7 +120,8 @@ def paired_ratio(a: Runner, b: Runner, repeats: int, warmup: int = 2) -> tuple[f
             x, y = a.timed(), b.timed()
         ta.append(x)
         tb.append(y)
-    return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
+    ratio = math.exp(statistics.fmean(math.log(x / y) for x, y in zip(ta, tb)))
+    return statistics.median(ta), statistics.median(tb), ratio
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         cfg, batch = GPTConfig(n_layer=16, d_model=1024, n_head=16, seq_len=1024, vocab_size=8192, dropout=0.1), 8
     n_budgets = args.budgets or (3 if args.quick else 5)
-    repeats = args.repeats or (6 if args.quick else 10)
+    repeats = args.repeats or (6 if args.quick else 12)
     watch_optimizers()
     torch.manual_seed(0)
     base = GPT(cfg)

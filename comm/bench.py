@@ -53,6 +53,12 @@ def _use(comm: str, compress: str = "none") -> None:
     api._st.config = load_config(warn_unknown=False, comm=comm, compress=compress)
 
 
+SMALL_BYTES = 1 << 20
+SMALL_REPS = 15
+"""Calls of at most SMALL_BYTES are timed at least SMALL_REPS times: they take milliseconds, and on shared
+cores one descheduled rank moves a median of a few by tens of percent."""
+
+
 def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORITHMS, baseline: bool = True,
             sweep: list[int] | None = None, fusion: bool = False, force_probe: bool = False) -> dict[str, Any]:
     """Collective over an initialized memrt.comm job; returns the same dict on every rank."""
@@ -64,6 +70,7 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
     from memrt.profiling.recorder import get_recorder
 
     topo = dist.get_topology()
+    small_reps = max(reps, SMALL_REPS)
     t0 = time.perf_counter()
     from memrt.comm import api
 
@@ -78,10 +85,10 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         x = torch.randn(n // 4, generator=torch.Generator().manual_seed(topo.rank))
         row: dict[str, Any] = {}
         if baseline:
-            row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), reps)}
+            row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), small_reps if n <= SMALL_BYTES else reps)}
         for a in algos:
             _use("flat" if a == "flat" else "hier", a.split("+", 1)[1] if "+" in a else "none")
-            row[a] = {"measured": timed(lambda: dist.all_reduce(x), reps),
+            row[a] = {"measured": timed(lambda: dist.all_reduce(x), small_reps if n <= SMALL_BYTES else reps),
                       "predicted": select.predict(a, n, topo.nodes, model)}
         _use("auto")
         d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)

@@ -80,10 +80,15 @@ class LinkModel:
     """Per algorithm (flat, hier): measured time of an 8-byte call minus its modelled alpha terms,
     seconds (threads, staging, Python; negative when the alphas overstate it), so that the latency
     part of a prediction is the measured small-call time."""
+    mid_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Per algorithm (flat, hier): the same for a 1 MiB call (``MID_CALL_BYTES``), after its
+    efficiency-scaled bandwidth terms. A call of ``n`` bytes pays ``call_overhead_s`` plus ``n / 1 MiB``
+    of the difference, all of it from 1 MiB up (on crowded cores a ring step that moves data waits for
+    its peer to be scheduled, which an 8-byte call does not show). Empty: the 8-byte figure throughout."""
     efficiency: dict[str, float] = field(default_factory=dict)
-    """Per algorithm (flat, hier): measured / modelled size-dependent time of a mid-size call (16 MiB),
-    i.e. how much of the links' measured bandwidth the implementation gets (CPU copies, contention
-    between concurrent stages); multiplies the beta and gamma terms. 1.0 when not measured."""
+    """Per algorithm (flat, hier): measured / modelled size-dependent time between a 1 MiB and a mid-size
+    call (16 MiB), i.e. how much of the links' measured bandwidth the implementation gets (CPU copies,
+    contention between concurrent stages); multiplies the beta and gamma terms. 1.0 when not measured."""
     topology_key: str = ""
     """Key of the topology this was measured on (the probe cache's file name)."""
     measured_at: str = ""
@@ -179,9 +184,21 @@ def compressed_ratio(codec: str, element_size: int = 4) -> float:
 # What memrt.comm runs.
 
 
-def _calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float) -> float:
+MID_CALL_BYTES = 1 << 20
+"""Size of the calibration call whose overhead applies from this size up (``LinkModel.mid_overhead_s``)."""
+
+
+def call_overhead(model: LinkModel, algorithm: str, nbytes: float) -> float:
+    """Measured per-call overhead of ``algorithm`` for an ``nbytes`` call (see ``LinkModel.mid_overhead_s``)."""
+    small = model.call_overhead_s.get(algorithm, 0.0)
+    if algorithm not in model.mid_overhead_s:
+        return small
+    return small + (model.mid_overhead_s[algorithm] - small) * min(1.0, nbytes / MID_CALL_BYTES)
+
+
+def _calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float, nbytes: float) -> float:
     """alpha terms + measured per-call overhead + efficiency x (beta and gamma terms)."""
-    lat = max(0.0, latency_s + model.call_overhead_s.get(algorithm, 0.0))
+    lat = max(0.0, latency_s + call_overhead(model, algorithm, nbytes))
     return lat + model.efficiency.get(algorithm, 1.0) * bandwidth_s
 
 
@@ -194,7 +211,7 @@ def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkMod
     p = sum(len(n_) for n_ in nodes)
     link = model.intra if len(nodes) <= 1 or model.inter is None else _slowest(model.intra, model.inter)
     lat = ring_all_reduce(p, 0, link, model.gamma_s_per_byte)
-    return _calibrated(model, "flat", lat, ring_all_reduce(p, n, link, model.gamma_s_per_byte) - lat)
+    return _calibrated(model, "flat", lat, ring_all_reduce(p, n, link, model.gamma_s_per_byte) - lat, n)
 
 
 def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel, *,
@@ -230,7 +247,7 @@ def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model:
     work = 0.0
     if codec != "none" and m > 1:  # local encode/decode, measured directly: not scaled by the efficiency
         work = (1 if m == 2 else 2) * n / l_ranks * model.codec_s_per_byte.get(codec, 0.0)
-    return _calibrated(model, "hier", lat, stages(n) - lat) + work
+    return _calibrated(model, "hier", lat, stages(n) - lat, n) + work
 
 
 def _slowest(a: TierLink, b: TierLink) -> TierLink:

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from memrt.comm.costmodel import LinkModel, TierLink
+from memrt.comm.costmodel import MID_CALL_BYTES, LinkModel, TierLink
 
 __all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "topology_key", "fit_alpha_beta", "clear_memo"]
 
@@ -159,13 +159,14 @@ CALIBRATION_BYTES = 16 << 20
 
 
 def _call_times(topology, groups) -> list[float]:
-    """Seconds of an 8-byte and a CALIBRATION_BYTES flat (torch) and hierarchical (memrt) all-reduce."""
+    """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat (torch) and hierarchical (memrt)
+    all-reduce (medians; the 1 MiB call is repeated most, its timing being the noisiest)."""
     import torch.distributed as dist
 
     from memrt.comm.algorithms import hierarchical_all_reduce
 
     out = []
-    for x, reps in ((torch.ones(2), 5), (torch.ones(CALIBRATION_BYTES // 4), 2)):
+    for x, reps in ((torch.ones(2), 5), (torch.ones(MID_CALL_BYTES // 4), 9), (torch.ones(CALIBRATION_BYTES // 4), 2)):
         out.append(_time_call(lambda: dist.all_reduce(x), reps))
         out.append(_time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups), reps))
     return out
@@ -237,22 +238,27 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     codec = dict(zip(CODECS, vals[i + 1:i + 1 + len(CODECS)]))
     i += 1 + len(CODECS)
     overhead: dict[str, float] = {}
+    mid_overhead: dict[str, float] = {}
     efficiency: dict[str, float] = {}
     if with_overheads:
         from memrt.comm import costmodel as cm
 
         bare = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma)
         small = {"flat": vals[i], "hier": vals[i + 1]}
-        mid = {"flat": vals[i + 2], "hier": vals[i + 3]}
+        one = {"flat": vals[i + 2], "hier": vals[i + 3]}
+        mid = {"flat": vals[i + 4], "hier": vals[i + 5]}
         fn = {"flat": cm.flat_all_reduce, "hier": cm.hierarchical_all_reduce}
         for algo in ("flat", "hier"):
             # may be negative: the measured 8-byte call replaces the formula's alpha terms
             overhead[algo] = small[algo] - fn[algo](nodes, 8, bare)
-            modelled = fn[algo](nodes, CALIBRATION_BYTES, bare) - fn[algo](nodes, 8, bare)
-            measured = mid[algo] - small[algo]
+            # the slope between the 1 MiB and the mid-size call, over the modelled one
+            modelled = fn[algo](nodes, CALIBRATION_BYTES, bare) - fn[algo](nodes, MID_CALL_BYTES, bare)
+            measured = mid[algo] - one[algo]
             efficiency[algo] = min(8.0, max(0.25, measured / modelled)) if modelled > 0 and measured > 0 else 1.0
+            bandwidth = fn[algo](nodes, MID_CALL_BYTES, bare) - fn[algo](nodes, 0, bare)
+            mid_overhead[algo] = one[algo] - fn[algo](nodes, 0, bare) - efficiency[algo] * bandwidth
     model = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma, codec_s_per_byte=codec, topology_key=key,
-                      call_overhead_s=overhead, efficiency=efficiency,
+                      call_overhead_s=overhead, mid_overhead_s=mid_overhead, efficiency=efficiency,
                       measured_at=_dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat(timespec="seconds"),
                       probe_seconds=elapsed)
     logger.info("probed links in %.2fs: %s", model.probe_seconds, model)
