@@ -7,7 +7,8 @@ emulated cluster, which is skipped with a printed reason otherwise; --quick: 1 K
         [--impls gloo,mpi,memrt-flat,memrt-hier,memrt-auto] [--ops all_reduce,all_gather,reduce_scatter,broadcast]
         [--max-size 256MiB] [--out DIR]
 
-4 ranks as 2 nodes x 2 ranks (``MEMRT_TOPOLOGY="0,1;2,3"``), float32. Columns follow nccl-tests
+4 ranks as 2 nodes x 2 ranks (``MEMRT_TOPOLOGY="0,1;2,3"``), float32. On the emulated cluster MPICH's ranks
+are placed two per namespace by :meth:`memrt.cluster.EmulatedCluster.mpiexec_command` (UCX held to TCP). Columns follow nccl-tests
 (doc/PERFORMANCE.md): size = bytes of the full buffer (all_gather: output; reduce_scatter: input),
 time = mean per call over the timed iterations (slowest rank), algbw = size / time,
 busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast).
