@@ -425,9 +425,10 @@ def test_work_between_steps_is_not_the_steps():
             o.step()
     p, q = memrt.plan_of(model), memrt.plan_of(alone)
     assert p.measured_peak_bytes is not None and p.measured_peak_bytes <= budget, str(p)
-    assert p.tries == 1 and [u.action for u in p.units] == [u.action for u in q.units]
-    assert p.measured_peak_bytes == q.measured_peak_bytes
-    assert p.predicted_peak_bytes == q.predicted_peak_bytes
+    assert p.tries == 1, str(p)
+    # the profile's memory figures are bytes, not times: equal to the lone run's exactly (which units are
+    # recomputed may differ between runs: the plan ranks choices by measured forward time)
+    assert (p.keep_all_peak_bytes, p.min_feasible_bytes) == (q.keep_all_peak_bytes, q.min_feasible_bytes)
     del grads
 
 
