@@ -98,10 +98,15 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         rows = []
         for n in sweep:
             x = torch.randn(max(1, n // 4))
-            meas = {}
-            for a in ("flat", "hier"):
-                _use(a)
-                meas[a] = timed(lambda: dist.all_reduce(x), reps)
+            # the two take turns call by call, so drift on a shared machine hits both alike
+            samples: dict[str, list[float]] = {"flat": [], "hier": []}
+            for i in range(1 + (small_reps if n <= SMALL_BYTES else reps)):
+                for a in samples:
+                    _use(a)
+                    t = timed(lambda: dist.all_reduce(x), 1, warmup=0)
+                    if i:  # the first round warms up
+                        samples[a].append(t)
+            meas = {a: statistics.median(v) for a, v in samples.items()}
             _use("auto")
             d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
             rows.append({"bytes": n, "measured": meas, "chosen": d.algorithm, "predicted": d.candidates,

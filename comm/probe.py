@@ -166,7 +166,7 @@ def _call_times(topology, groups) -> list[float]:
     from memrt.comm.algorithms import hierarchical_all_reduce
 
     out = []
-    for x, reps in ((torch.ones(2), 5), (torch.ones(MID_CALL_BYTES // 4), 9), (torch.ones(CALIBRATION_BYTES // 4), 2)):
+    for x, reps in ((torch.ones(2), 5), (torch.ones(MID_CALL_BYTES // 4), 9), (torch.ones(CALIBRATION_BYTES // 4), 5)):
         out.append(_time_call(lambda: dist.all_reduce(x), reps))
         out.append(_time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups), reps))
     return out
