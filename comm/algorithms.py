@@ -32,7 +32,7 @@ import torch
 from memrt.comm.tiers import DONE, HierGroups, Tier, combine_, op_name, torch_groups
 from memrt.comm.topology import Topology
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "hierarchical_all_reduce", "hierarchical_broadcast", "hierarchical_all_gather",
+__all__ = ["DEFAULT_CHUNK_BYTES", "auto_chunk_bytes", "hierarchical_all_reduce", "hierarchical_broadcast", "hierarchical_all_gather",
            "hierarchical_reduce_scatter", "ordered_reduce_scatter", "check_reducible"]
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,11 @@ class _WaitThenCopy:
         return True
 
 
+def auto_chunk_bytes(nbytes: int, cap: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Pipeline chunk for an ``nbytes`` call: ``nbytes / 8`` clamped to [MIN_AUTO_CHUNK_BYTES, cap]."""
+    return min(cap, max(MIN_AUTO_CHUNK_BYTES, nbytes // 8))
+
+
 def check_reducible(tensor: torch.Tensor, op: str) -> None:
     if op == "AVG" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"ReduceOp.AVG of a {tensor.dtype} tensor is not defined (torch.distributed's gloo "
@@ -129,8 +134,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
     opn = op_name(op)
     check_reducible(tensor, opn)
     if chunk_bytes is None:
-        nbytes = tensor.numel() * tensor.element_size()
-        chunk_bytes = min(DEFAULT_CHUNK_BYTES, max(MIN_AUTO_CHUNK_BYTES, nbytes // 8))
+        chunk_bytes = auto_chunk_bytes(tensor.numel() * tensor.element_size())
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes} is not valid: expected a positive number of bytes")
     g = groups if groups is not None else torch_groups(topology)

@@ -70,7 +70,10 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
     from memrt.profiling.recorder import get_recorder
 
     topo = dist.get_topology()
-    small_reps = max(reps, SMALL_REPS)
+
+    def reps_for(nbytes: int) -> int:
+        return max(reps, SMALL_REPS) if nbytes <= SMALL_BYTES else reps
+
     t0 = time.perf_counter()
     from memrt.comm import api
 
@@ -85,10 +88,10 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         x = torch.randn(n // 4, generator=torch.Generator().manual_seed(topo.rank))
         row: dict[str, Any] = {}
         if baseline:
-            row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), small_reps if n <= SMALL_BYTES else reps)}
+            row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), reps_for(n))}
         for a in algos:
             _use("flat" if a == "flat" else "hier", a.split("+", 1)[1] if "+" in a else "none")
-            row[a] = {"measured": timed(lambda: dist.all_reduce(x), small_reps if n <= SMALL_BYTES else reps),
+            row[a] = {"measured": timed(lambda: dist.all_reduce(x), reps_for(n)),
                       "predicted": select.predict(a, n, topo.nodes, model)}
         _use("auto")
         d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
@@ -100,7 +103,7 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
             x = torch.randn(max(1, n // 4))
             # the two take turns call by call, so drift on a shared machine hits both alike
             samples: dict[str, list[float]] = {"flat": [], "hier": []}
-            for i in range(1 + (small_reps if n <= SMALL_BYTES else reps)):
+            for i in range(1 + reps_for(n)):
                 for a in samples:
                     _use(a)
                     t = timed(lambda: dist.all_reduce(x), 1, warmup=0)

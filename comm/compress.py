@@ -19,6 +19,8 @@ from typing import Hashable
 
 import torch
 
+from memrt.comm.tiers import DONE
+
 __all__ = ["CODECS", "Codec", "ErrorFeedback", "compressed_all_reduce", "get_error_feedback", "encode", "decode",
            "pipeline_chunk_bytes"]
 
@@ -221,7 +223,7 @@ def compressed_all_reduce(shard: torch.Tensor, group=None, codec: str = "int8", 
     ef = _EF if error_feedback is None else error_feedback
     m = dist.get_world_size(group)
     if m == 1:
-        return _Done() if async_op else shard
+        return DONE if async_op else shard
     flat = shard.reshape(-1)
     n = flat.numel()
     if m == 2:
@@ -232,7 +234,7 @@ def compressed_all_reduce(shard: torch.Tensor, group=None, codec: str = "int8", 
         return shard
     out = _two_phase(flat, group, codec, key, ef, m)
     shard.copy_(out.view(shard.shape))
-    return _Done() if async_op else shard
+    return DONE if async_op else shard
 
 
 PIPELINE_CHUNK_BYTES = {"bf16": 4 << 20, "fp16": 4 << 20, "int8": 8 << 20}
@@ -244,13 +246,10 @@ twice what they do for bf16: twice the chunk halves them (measured on the emulat
 
 def pipeline_chunk_bytes(codec: str, nbytes: int) -> int:
     """Chunk size for a compressed hierarchical all-reduce of ``nbytes`` (at least 8 chunks when it can)."""
+    from memrt.comm.algorithms import auto_chunk_bytes
+
     _check(codec)
-    return min(PIPELINE_CHUNK_BYTES[codec], max(1 << 20, nbytes // 8))
-
-
-class _Done:
-    def wait(self, timeout=None) -> bool:
-        return True
+    return auto_chunk_bytes(nbytes, PIPELINE_CHUNK_BYTES[codec])
 
 
 PIPELINE_PIECE_ELEMENTS = 1 << 20

@@ -38,7 +38,7 @@ def op_name(op: Any) -> str:
 
 
 def combine(a: torch.Tensor, b: torch.Tensor, op: str, *, out: torch.Tensor) -> torch.Tensor:
-    """``out = a (op) b`` in one pass (``out`` may alias ``a`` or ``b``); bitwise what :func:`combine_` gives."""
+    """``out = a (op) b`` in one pass (``out`` may alias ``a`` or ``b``; AVG combines as SUM)."""
     if op in ("SUM", "AVG"):
         return torch.add(a, b, out=out)
     if op == "PRODUCT":
@@ -50,13 +50,7 @@ def combine(a: torch.Tensor, b: torch.Tensor, op: str, *, out: torch.Tensor) -> 
 
 def combine_(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
     """``acc = acc (op) x`` in place, in ``acc``'s dtype (AVG combines as SUM)."""
-    if op in ("SUM", "AVG"):
-        return acc.add_(x)
-    if op == "PRODUCT":
-        return acc.mul_(x)
-    if op == "MIN":
-        return torch.minimum(acc, x, out=acc)
-    return torch.maximum(acc, x, out=acc)
+    return combine(acc, x, op, out=acc)
 
 
 class Done:

@@ -84,15 +84,16 @@ class CudaMeter(Meter):
         self.device = device
         self.record = record
         self._peak = 0
+        self._paused_at: int | None = None
 
     def start(self, extra: Iterable[Any] = ()) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = torch.cuda.memory_allocated(self.device)
-        self._paused_at: int | None = None
+        self._paused_at = None
 
     def pause(self) -> None:
         """Freeze the peaks here (the allocator's counters keep moving with everything else's)."""
-        if getattr(self, "_paused_at", None) is None:
+        if self._paused_at is None:
             self._paused_at = torch.cuda.max_memory_allocated(self.device)
             self._peak = max(self._peak, self._paused_at)
 
@@ -100,7 +101,7 @@ class CudaMeter(Meter):
         return torch.cuda.memory_allocated(self.device)
 
     def segment(self) -> tuple[int, int]:
-        if getattr(self, "_paused_at", None) is not None:
+        if self._paused_at is not None:
             return self._paused_at, self._paused_at
         p = torch.cuda.max_memory_allocated(self.device)
         self._peak = max(self._peak, p)
@@ -119,7 +120,7 @@ class CudaMeter(Meter):
 
     @property
     def peak(self) -> int:
-        if getattr(self, "_paused_at", None) is not None:
+        if self._paused_at is not None:
             return self._peak
         return max(self._peak, torch.cuda.max_memory_allocated(self.device))
 
