@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
+from memrt.agreement import check_or_exit as check_settings_agree
 from memrt.comm import algorithms as alg
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
 from memrt.comm.tiers import HierGroups, clear_group_cache, op_name, torch_groups
@@ -87,6 +88,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     tdist.init_process_group(backend="gloo" if mpi_job else backend, init_method=init_method, timeout=timeout,
                              world_size=world_size, rank=rank, store=store, group_name=group_name,
                              pg_options=pg_options, device_id=device_id)
+    check_settings_agree()  # before the first collective: ranks with different MEMRT_* settings exit 2
     setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health)
 
 

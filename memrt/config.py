@@ -15,14 +15,20 @@ import os
 import re
 from fractions import Fraction
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from memrt.errors import ConfigError
 
 __all__ = [
+    "AGREED_VARIABLES",
     "Budget",
+    "MAX_BUDGET_FACTOR",
+    "MIN_SHARE",
     "MemrtConfig",
+    "SETTINGS",
+    "Setting",
     "VARIABLES",
+    "budget_capacity_error",
     "environ",
     "format_bytes",
     "load_config",
@@ -53,8 +59,16 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+# re.ASCII: digits are 0-9 only ('²' or '١' are not numbers a launcher or a user types on purpose)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$", re.ASCII)
+_RANK_RE = re.compile(r"[0-9]+", re.ASCII)
+
+_MIN_SHARE_EXACT = Fraction(1, 100_000)
+MIN_SHARE = float(_MIN_SHARE_EXACT)
+"""Smallest budget share accepted (0.001% of the device): below it no training step fits anywhere."""
+MAX_BUDGET_FACTOR = 1000
+"""An absolute budget may be at most this many times the device's capacity (beyond it, it is a typo)."""
 
 OFFLOAD_CHOICES = ("auto", "none", "host", "disk")
 COMM_CHOICES = ("auto", "flat", "hier", "off")
@@ -114,11 +128,27 @@ class Budget:
         if self.bytes is not None:
             return self.bytes
         if capacity_bytes is None:
-            raise ConfigError("MEMRT_BUDGET", f"{self.share * 100:g}%", "an absolute size: this device's capacity is unknown")
-        return int(self.share * capacity_bytes)
+            raise ConfigError("MEMRT_BUDGET", str(self), "an absolute size: this device's capacity is unknown")
+        return max(1, int(self.share * capacity_bytes))
 
     def __str__(self) -> str:
-        return format_bytes(self.bytes) if self.bytes is not None else f"{self.share * 100:g}%"
+        return format_bytes(self.bytes) if self.bytes is not None else _format_share(self.share)
+
+
+def _format_share(share: float) -> str:
+    """``0.85`` -> ``85%``, ``1e-5`` -> ``0.001%``: plain decimals (never ``1e-05%``) that parse_budget reads back."""
+    text = f"{share * 100:.6f}".rstrip("0").rstrip(".")
+    return f"{text or '0'}%"
+
+
+def budget_capacity_error(budget: "Budget | None", capacity_bytes: int | None, device: str) -> ConfigError | None:
+    """The error for an absolute budget above MAX_BUDGET_FACTOR x the device's capacity, else None."""
+    if budget is None or budget.bytes is None or not capacity_bytes:
+        return None
+    if budget.bytes <= MAX_BUDGET_FACTOR * capacity_bytes:
+        return None
+    return ConfigError("MEMRT_BUDGET", f"{budget} ({budget.bytes} bytes)", f"at most {MAX_BUDGET_FACTOR} x the capacity of {device} "
+                       f"({format_bytes(capacity_bytes)}); a share such as 85% follows each rank's device")
 
 
 def parse_budget(name: str, raw: Any) -> Budget | None:
@@ -138,10 +168,10 @@ def parse_budget(name: str, raw: Any) -> Budget | None:
         return None
     m = _SHARE_RE.match(text)
     if m:
-        share = float(m.group(1)) / 100.0
-        if not 0.0 < share <= 1.0:
-            raise ConfigError(name, raw, "a share between 0% (exclusive) and 100%")
-        return Budget(share=share)
+        exact = Fraction(m.group(1)) / 100
+        if not _MIN_SHARE_EXACT <= exact <= 1:
+            raise ConfigError(name, raw, f"a share from {_format_share(MIN_SHARE)} to 100%")
+        return Budget(share=float(exact))
     try:
         return Budget(bytes=parse_size(name, text))
     except ConfigError:
@@ -163,7 +193,7 @@ def parse_topology(name: str, raw: str) -> tuple[tuple[int, ...], ...]:
         ranks = []
         for item in part.split(","):
             item = item.strip()
-            if not item.isdigit():
+            if not _RANK_RE.fullmatch(item):
                 raise ConfigError(name, raw, forms + f" ({item!r} is not a rank)")
             r = int(item)
             if r in seen:
@@ -238,22 +268,48 @@ class MemrtConfig:
             out[var] = {"value": value, "source": self.sources.get(var, "default")}
         return out
 
+    def agreed(self) -> dict[str, Any]:
+        """Variable -> printable value of every setting all ranks must share (:data:`AGREED_VARIABLES`)."""
+        effective = self.effective()
+        return {var: effective[var]["value"] for var in AGREED_VARIABLES}
 
-# Variable -> (field name, parser)
-_PARSERS = {
-    "MEMRT": ("enabled", parse_bool),
-    "MEMRT_BUDGET": ("budget", parse_budget),
-    "MEMRT_OFFLOAD": ("offload", _choice(OFFLOAD_CHOICES)),
-    "MEMRT_OFFLOAD_DIR": ("offload_dir", _path),
-    "MEMRT_COMM": ("comm", _choice(COMM_CHOICES)),
-    "MEMRT_COMPRESS": ("compress", _choice(COMPRESS_CHOICES)),
-    "MEMRT_TOPOLOGY": ("topology", parse_topology),
-    "MEMRT_REPORT_DIR": ("report_dir", _path),
-    "MEMRT_LOG_LEVEL": ("log_level", _choice(LOG_LEVELS)),
-    "MEMRT_STRICT": ("strict", parse_bool),
-}
-_VAR_TO_FIELD = {var: f for var, (f, _) in _PARSERS.items()}
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One ``MEMRT_*`` variable: the :class:`MemrtConfig` field it fills, its parser, and whether ranks must agree."""
+
+    var: str
+    """The environment variable, e.g. ``MEMRT_COMM``."""
+    field: str
+    """The MemrtConfig field it sets."""
+    parse: Callable[[str, Any], Any]
+    """``parse(var, raw) -> value``; raises ConfigError naming ``var``."""
+    agree: bool = False
+    """True when every rank of a job must use the same value (different values run different collectives
+    or plans that must match): compared across ranks when the process group starts (:mod:`memrt.agreement`)."""
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("MEMRT", "enabled", parse_bool, agree=True),
+    # Per rank on purpose: a share resolves against each rank's own device, and plans never change gradients.
+    Setting("MEMRT_BUDGET", "budget", parse_budget),
+    Setting("MEMRT_OFFLOAD", "offload", _choice(OFFLOAD_CHOICES), agree=True),
+    Setting("MEMRT_OFFLOAD_DIR", "offload_dir", _path),
+    Setting("MEMRT_COMM", "comm", _choice(COMM_CHOICES), agree=True),
+    Setting("MEMRT_COMPRESS", "compress", _choice(COMPRESS_CHOICES), agree=True),
+    Setting("MEMRT_TOPOLOGY", "topology", parse_topology, agree=True),
+    Setting("MEMRT_REPORT_DIR", "report_dir", _path),
+    Setting("MEMRT_LOG_LEVEL", "log_level", _choice(LOG_LEVELS)),
+    Setting("MEMRT_STRICT", "strict", parse_bool),
+)
+"""Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
+its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""
+
+_PARSERS = {s.var: (s.field, s.parse) for s in SETTINGS}
+_VAR_TO_FIELD = {s.var: s.field for s in SETTINGS}
 _FIELD_TO_VAR = {f: var for var, f in _VAR_TO_FIELD.items()}
+AGREED_VARIABLES = tuple(s.var for s in SETTINGS if s.agree)
+"""Variables every rank of a job must set to the same value."""
 VARIABLES = tuple(_PARSERS)
 """Every MEMRT_* variable memrt understands."""
 

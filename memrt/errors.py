@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "BudgetError", "MemrtError"]
+__all__ = ["AgreementError", "ConfigError", "BudgetError", "MemrtError"]
 
 
 class MemrtError(RuntimeError):
@@ -20,6 +20,12 @@ class ConfigError(MemrtError, ValueError):
         self.value = value
         self.expected = expected
         super().__init__(f"{setting}={value!r} is not valid: expected {expected}")
+
+
+class AgreementError(MemrtError):
+    """The ranks of one job cannot run memrt together: a setting that must agree differs between ranks,
+    a rank stopped on a bad setting, or a rank sent no settings (memrt off there). One line, naming the
+    setting, the ranks and their values."""
 
 
 class BudgetError(MemrtError):

@@ -7,7 +7,7 @@ import json
 import platform
 
 from memrt._version import __version__
-from memrt.config import format_bytes, load_config
+from memrt.config import AGREED_VARIABLES, format_bytes, load_config
 from memrt.launcher import discover_launch
 
 __all__ = ["collect_info", "add_arguments", "run"]
@@ -40,11 +40,17 @@ def _autoload_installed() -> bool:
 
 
 def collect_info() -> dict:
-    """Everything ``memrt info`` shows, as a JSON-ready dict. Raises ConfigError on bad settings."""
+    """Everything ``memrt info`` shows, as a JSON-ready dict. Raises ConfigError on bad settings: the same
+    ones a run rejects at start (:mod:`memrt.activation.checks`: budget beyond the device, report folder)."""
     import torch
+
+    from memrt.activation.checks import default_report_problem, startup_errors
 
     config = load_config()
     launch = discover_launch()
+    errors = startup_errors(config, launch.local_rank)
+    if errors:
+        raise errors[0]
     return {
         "version": __version__,
         "torch": torch.__version__,
@@ -56,6 +62,8 @@ def collect_info() -> dict:
         "local_world_size": launch.local_world_size,
         "devices": _devices(),
         "config": config.effective(),
+        "same_on_every_rank": list(AGREED_VARIABLES),
+        "report_problem": default_report_problem(config),
         "autoload_installed": _autoload_installed(),
     }
 
@@ -72,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
     for d in info["devices"]:
         print(f"  {d['name']:<8} {d['model']:<30} {format_bytes(d['capacity_bytes'])}")
     print(f"env activation (MEMRT=1) installed: {'yes' if info['autoload_installed'] else 'no'}")
-    print("settings:")
-    print(f"  {'variable':<20} {'value':<24} source")
+    print("settings (ranks: 'same' = every rank of a job must use the same value, checked at start-up):")
+    print(f"  {'variable':<20} {'value':<24} {'source':<12} ranks")
     for var, item in info["config"].items():
-        print(f"  {var:<20} {str(item['value']):<24} {item['source']}")
+        ranks = "same" if var in info["same_on_every_rank"] else "per rank"
+        print(f"  {var:<20} {str(item['value']):<24} {item['source']:<12} {ranks}")
+    if info["report_problem"]:
+        print(f"note: a run here would write no report ({info['report_problem']}); set MEMRT_REPORT_DIR")
     return 0

@@ -42,8 +42,10 @@ def _save(fig: Any, path: str | os.PathLike) -> Path:
 
 
 def plot_memory(timelines: Mapping[int, Mapping[str, Any]], path: str | os.PathLike, *,
-                budget_bytes: int | None = None, width_px: int = 1000, height_px: int = 450) -> Path:
-    """Live bytes over time per rank (``MemoryTimeline.to_dict()`` each), budget line, actions and peak."""
+                budget_bytes: int | Mapping[Any, int | None] | None = None, width_px: int = 1000,
+                height_px: int = 450) -> Path:
+    """Live bytes over time per rank (``MemoryTimeline.to_dict()`` each), budget line(s) (one budget, or each
+    rank's own), actions and peak."""
     fig = _figure(width_px, height_px)
     ax = fig.add_subplot(1, 1, 1)
     for rank, tl in sorted(timelines.items()):
@@ -68,9 +70,14 @@ def plot_memory(timelines: Mapping[int, Mapping[str, Any]], path: str | os.PathL
                         (peak["t_s"], peak["live_bytes"] / _MIB), textcoords="offset points", xytext=(6, 6),
                         fontsize=8, color=line.get_color())
             ax.axhline(peak["fixed_bytes"] / _MIB, color=line.get_color(), linestyle=":", linewidth=0.8)
-    if budget_bytes:
-        ax.axhline(budget_bytes / _MIB, color="red", linestyle="--", linewidth=1.2,
-                   label=f"budget {budget_bytes / _MIB:.1f} MiB")
+    budgets = budget_bytes if isinstance(budget_bytes, Mapping) else {None: budget_bytes}
+    for rank, budget in sorted(budgets.items(), key=lambda kv: -1 if kv[0] is None else int(kv[0])):
+        if budget:  # one line per distinct rank budget (a share is a different size on each device)
+            who = "" if rank is None or len(set(budgets.values())) == 1 else f" (rank {rank})"
+            ax.axhline(budget / _MIB, color="red", linestyle="--", linewidth=1.2,
+                       label=f"budget {budget / _MIB:.1f} MiB{who}")
+            if not who:
+                break
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("live bytes (MiB)")
     ax.set_title("memory timeline (dotted: fixed bytes at step start)")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CommRecord", "MemoryEvent", "TraceEvent", "Recorder", "get_recorder"]
+__all__ = ["CommRecord", "MemoryEvent", "TraceEvent", "Recorder", "get_recorder", "make_private_dir"]
 
 SCHEMA_VERSION = 1
 _RESOLVE_EVERY = 64
@@ -189,12 +189,16 @@ class Recorder:
             }
 
     def write(self, directory: str | os.PathLike, rank: int) -> Path:
-        """Write ``rank{rank}.json`` into ``directory`` (created if needed) atomically; return its path."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        """Write ``rank{rank}.json`` into ``directory`` atomically; return its path.
+
+        Folders memrt creates are 0700 and the file 0600: a report names hosts, paths and model shapes.
+        """
+        d = make_private_dir(directory)
         path = d / f"rank{rank}.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(rank), default=str))  # odd trace args become strings
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.to_dict(rank), default=str))  # odd trace args become strings
         tmp.replace(path)
         return path
 
@@ -204,6 +208,24 @@ class Recorder:
             self._pending.clear()
             self.t0 = time.perf_counter()
             self.t0_unix = time.time()
+
+
+def make_private_dir(directory: str | os.PathLike) -> Path:
+    """``directory`` with every folder this call creates made 0700 (existing ones are left as they are)."""
+    d = Path(directory)
+    missing = []
+    cur = d
+    while not cur.exists() and cur.parent != cur:
+        missing.append(cur)
+        cur = cur.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:  # another rank created it meanwhile
+            pass
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is not a directory")
+    return d
 
 
 _RECORDER = Recorder()

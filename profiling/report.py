@@ -2,9 +2,10 @@
 
 Writes into DIR (or ``--out``): ``report.txt``, ``report.json``, ``trace.json`` (all ranks, one
 process per rank) and ``trace_rank{r}.json``, and with matplotlib ``memory_timeline.png``,
-``plan.png`` and ``comm_time.png``. A truncated or corrupt rank file is named in a message and left
-out; the other ranks are still reported (exit status 1 then, 0 when every file loaded).
-No torch at import or run time.
+``plan.png`` and ``comm_time.png``. One report is one run (:mod:`memrt.profiling.rankfiles`): a
+truncated, corrupt or malformed rank file, or a file of another run in a reused folder, is named in one
+line and left out; the other ranks are still reported (exit status 1 then, 0 when every rank's file of the
+run loaded). Each rank's peak is compared with its own budget. No torch at import or run time.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,63 +21,14 @@ from typing import Any
 
 from memrt.errors import MemrtError
 from memrt.profiling import comm_log, plots, timeline
-from memrt.profiling.recorder import SCHEMA_VERSION
+from memrt.profiling.rankfiles import RankFileProblem, load_rank_files, run_id_of
+from memrt.profiling.recorder import SCHEMA_VERSION, make_private_dir
 from memrt.profiling.trace import write_chrome_trace
 
 __all__ = ["RankFileProblem", "add_arguments", "build_report", "format_text", "load_rank_files", "run",
            "write_report"]
 
 logger = logging.getLogger(__name__)
-_RANK_FILE = re.compile(r"^rank(\d+)\.json$")
-_REQUIRED = ("rank", "memory", "comm", "trace")
-
-
-@dataclass(kw_only=True, slots=True)
-class RankFileProblem:
-    """A rank file that could not be used, and why."""
-
-    path: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}; left out, the other ranks are reported"
-
-
-def load_rank_files(directory: str | Path) -> tuple[list[dict[str, Any]], list[RankFileProblem]]:
-    """Loaded rank files sorted by rank, and the files that were truncated, corrupt or not memrt's."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise MemrtError(f"report directory {str(d)!r} does not exist: pass the MEMRT_REPORT_DIR of the run "
-                         "(default ./memrt-report/<run id>/)")
-    files = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _RANK_FILE.match(p.name)))
-    ranks, problems = [], []
-    for number, path in files:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            problems.append(RankFileProblem(path=str(path), reason=f"unreadable ({exc.strerror})"))
-            continue
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            # memrt writes one JSON object: a file that does not end with '}' was cut short
-            what = "truncated" if not text.rstrip().endswith("}") else "corrupt"
-            problems.append(RankFileProblem(path=str(path), reason=f"{what} JSON ({exc.msg} at byte {exc.pos} "
-                                            f"of {len(text)}); was the run killed while writing?"))
-            continue
-        missing = [k for k in _REQUIRED if not isinstance(data, dict) or k not in data]
-        if missing:
-            problems.append(RankFileProblem(path=str(path), reason=f"not a memrt rank file (missing {', '.join(missing)})"))
-            continue
-        if data.get("schema", SCHEMA_VERSION) > SCHEMA_VERSION:
-            problems.append(RankFileProblem(path=str(path), reason=f"schema {data['schema']} is newer than this "
-                                            f"memrt reads ({SCHEMA_VERSION}): upgrade memrt"))
-            continue
-        if int(data["rank"]) != number:
-            logger.warning("%s says rank %s; using the file name's rank %d", path, data["rank"], number)
-            data["rank"] = number
-        ranks.append(data)
-    return ranks, problems
 
 
 def _plan_dict(plan: Any) -> dict[str, Any] | None:
@@ -97,15 +49,41 @@ def _rank_plans(data: dict[str, Any]) -> list[Any]:
     return plans
 
 
-def _budget(ranks: list[dict[str, Any]]) -> int | None:
+def _budgets(ranks: list[dict[str, Any]]) -> dict[int, int | None]:
+    """Each rank's own budget in bytes: its last plan's, else its meta's; None when it had none.
+
+    Budgets are per rank (a share resolves against each rank's own device), so each rank's peak is
+    compared with its own."""
+    out: dict[int, int | None] = {}
     for data in ranks:
+        budget = None
         for plan in reversed(_rank_plans(data)):
             p = _plan_dict(plan)
             if p and p.get("budget_bytes"):
-                return int(p["budget_bytes"])
-        if data.get("meta", {}).get("budget_bytes"):
-            return int(data["meta"]["budget_bytes"])
-    return None
+                budget = int(p["budget_bytes"])
+                break
+        if budget is None and _is_bytes((data.get("meta") or {}).get("budget_bytes")):
+            budget = int(data["meta"]["budget_bytes"])
+        out[int(data["rank"])] = budget
+    return out
+
+
+def _is_bytes(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _devices(ranks: list[dict[str, Any]]) -> dict[int, str]:
+    """Each rank's device kind and name: what the activation layer recorded, else its last plan's device."""
+    out: dict[int, str] = {}
+    for data in ranks:
+        activation = (data.get("meta") or {}).get("activation")
+        device = activation.get("device") if isinstance(activation, dict) else None
+        if isinstance(device, dict) and device.get("name"):
+            out[int(data["rank"])] = str(device["name"])
+            continue
+        plan = next((p for p in map(_plan_dict, reversed(_rank_plans(data))) if p and p.get("device")), None)
+        out[int(data["rank"])] = str(plan["device"]) if plan else "?"
+    return out
 
 
 def build_report(ranks: list[dict[str, Any]], problems: list[RankFileProblem], *,
@@ -123,13 +101,19 @@ def build_report(ranks: list[dict[str, Any]], problems: list[RankFileProblem], *
     rows = comm_log.summarize_comm({int(d["rank"]): d["comm"] for d in ranks})
     per_rank_rows = {int(d["rank"]): [asdict(r) for r in comm_log.summarize_comm(d["comm"])] for d in ranks}
     spreads, stragglers = comm_log.straggler_view(ranks)
+    budgets = _budgets(ranks)
+    shared = set(budgets.values())
+    run_ids = sorted({str(run_id_of(d)) for d in ranks if run_id_of(d) is not None})
     return {
         "schema": SCHEMA_VERSION,
         "directory": directory,
+        "run_id": run_ids[0] if len(run_ids) == 1 else None,
         "ranks": [int(d["rank"]) for d in ranks],
         "problems": [asdict(p) for p in problems],
         "meta": {int(d["rank"]): d.get("meta", {}) for d in ranks},
-        "budget_bytes": _budget(ranks),
+        "budget_bytes": shared.pop() if len(shared) == 1 else None,
+        "budgets": budgets,
+        "devices": _devices(ranks),
         "memory": {r: tl.to_dict(max_points=max_points) for r, tl in memory.items()},
         "plans": plans,
         "comm": {"rows": [asdict(r) for r in rows], "per_rank": per_rank_rows,
@@ -154,7 +138,7 @@ def _plan_table(plan: dict[str, Any]) -> str:
 
 def format_text(report: dict[str, Any]) -> str:
     """The human-readable report (tables) from :func:`build_report`'s dict."""
-    out = [f"memrt report: {report['directory'] or '.'}",
+    out = [f"memrt report: {report['directory'] or '.'}" + (f" | run {report['run_id']}" if report.get("run_id") else ""),
            f"ranks: {', '.join(map(str, report['ranks'])) or 'none'}"]
     for p in report["problems"]:
         out.append(f"WARNING: {RankFileProblem(**p)}")
@@ -162,7 +146,9 @@ def format_text(report: dict[str, Any]) -> str:
     tls = {int(r): timeline.MemoryTimeline(points=[], steps=[timeline.StepMemory(**s) for s in d["steps"]],
                                            peak=timeline.PeakAttribution(**d["peak"]) if d["peak"] else None)
            for r, d in report["memory"].items()}
-    out.append(timeline.format_memory_table(tls, budget_bytes=report["budget_bytes"]))
+    budgets = {int(r): b for r, b in report["budgets"].items()}
+    out.append(timeline.format_memory_table(tls, budget_bytes=budgets,
+                                            devices={int(r): d for r, d in report["devices"].items()}))
     if report["plans"]:
         distinct = {json.dumps(p, sort_keys=True): r for r, p in report["plans"].items()}
         for key, rank in distinct.items():
@@ -181,16 +167,29 @@ def format_text(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_TRUNC
+
+
 def write_report(directory: str | Path, out_dir: str | Path | None = None, *, plots_wanted: bool = True,
-                 traces: bool = True) -> tuple[dict[str, Any], str]:
-    """Load, build and write everything; returns (JSON twin, text). Raises MemrtError with no usable file."""
+                 traces: bool = True, run_id: str | None = None) -> tuple[dict[str, Any], str]:
+    """Load, build and write everything; returns (JSON twin, text). Raises MemrtError with no usable file.
+
+    Folders it creates are 0700 and every file it writes 0600, like the rank files."""
     directory = Path(directory)
     out = Path(out_dir) if out_dir else directory
-    ranks, problems = load_rank_files(directory)
+    ranks, problems = load_rank_files(directory, run_id=run_id)
     if not ranks:
         why = "; ".join(map(str, problems)) if problems else "no rank*.json files in it"
         raise MemrtError(f"nothing to report in {str(directory)!r}: {why}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        make_private_dir(out)
+    except OSError as exc:
+        raise MemrtError(f"cannot write the report into {str(out)!r} ({exc}): pass --out with a folder you can "
+                         "write") from None
     report = build_report(ranks, problems, directory=str(directory))
     files = report["files"]
     if traces:
@@ -198,8 +197,9 @@ def write_report(directory: str | Path, out_dir: str | Path | None = None, *, pl
         for data in ranks:
             files[f"trace_rank{data['rank']}"] = str(write_chrome_trace(out / f"trace_rank{data['rank']}.json", data))
     if plots_wanted and plots.have_matplotlib():
+        budgets = {r: b for r, b in report["budgets"].items() if b}
         files["memory_plot"] = str(plots.plot_memory(report["memory"], out / "memory_timeline.png",
-                                                     budget_bytes=report["budget_bytes"]))
+                                                     budget_bytes=budgets or None))
         if report["plans"]:
             files["plan_plot"] = str(plots.plot_plan(next(iter(report["plans"].values())), out / "plan.png"))
         if report["comm"]["rows"]:
@@ -211,8 +211,11 @@ def write_report(directory: str | Path, out_dir: str | Path | None = None, *, pl
     text = format_text(report)
     if report.get("plots_missing"):
         text += f"\nno plots: {report['plots_missing']}\n"
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.txt").write_text(text)
+    for name, path in files.items():
+        if name not in ("json", "text") and Path(path).exists():
+            os.chmod(path, 0o600)
+    _write_private(out / "report.json", json.dumps(report, indent=1))
+    _write_private(out / "report.txt", text)
     return report, text
 
 
@@ -221,13 +224,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="where to write report.txt/json, traces and PNGs (default: DIRECTORY)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-traces", action="store_true", help="skip the Chrome trace files")
+    parser.add_argument("--run", default=None, help="the run id to report when the folder holds files of several "
+                                                    "runs (default: the run of the newest file)")
 
 
 def run(args: argparse.Namespace) -> int:
     report, text = write_report(args.directory, args.out, plots_wanted=not args.no_plots,
-                                traces=not args.no_traces)
+                                traces=not args.no_traces, run_id=args.run)
     print(text, end="")
     for problem in report["problems"]:
-        print(f"memrt report: {problem['path']}: {problem['reason']}; left out, the other ranks are reported",
-              file=sys.stderr)
+        print(f"memrt report: {RankFileProblem(**problem)}", file=sys.stderr)
     return 1 if report["problems"] else 0

@@ -174,15 +174,28 @@ def _fmt(n: float) -> str:
     return format_bytes(n)
 
 
-def format_memory_table(per_rank: Mapping[int, MemoryTimeline], *, budget_bytes: int | None = None) -> str:
-    """Per rank: peak, fixed vs activation bytes, and where the peak happened."""
-    rows = [f"{'rank':>4} {'steps':>5} {'peak':>11} {'fixed':>11} {'activation':>11} {'budget use':>10}  peak at"]
+def format_memory_table(per_rank: Mapping[int, MemoryTimeline], *,
+                        budget_bytes: int | Mapping[int, int | None] | None = None,
+                        devices: Mapping[int, str] | None = None) -> str:
+    """Per rank: peak, fixed vs activation bytes, its budget and the share of it used, device, where the peak was.
+
+    ``budget_bytes`` is one budget for every rank or each rank's own (a share of ``85%`` is a different
+    number of bytes on each rank's device); a rank without a budget shows ``-``.
+    """
+    budgets = budget_bytes if isinstance(budget_bytes, Mapping) else {r: budget_bytes for r in per_rank}
+    devices = devices or {}
+    rows = [f"{'rank':>4} {'steps':>5} {'peak':>11} {'fixed':>11} {'activation':>11} {'budget':>11} "
+            f"{'budget use':>10}  {'device':<14} peak at"]
     for rank, tl in sorted(per_rank.items()):
         p = tl.peak
+        device = str(devices.get(rank, "?"))
         if p is None:
-            rows.append(f"{rank:>4} {len(tl.steps):>5}  (no memory events)")
+            rows.append(f"{rank:>4} {len(tl.steps):>5}  (no memory events)  device {device}")
             continue
-        use = f"{p.live_bytes / budget_bytes:>10.1%}" if budget_bytes else f"{'-':>10}"
+        budget = budgets.get(rank)
+        use = f"{p.live_bytes / budget:>10.1%}" if budget else f"{'-':>10}"
+        shown = _fmt(budget) if budget else "-"
         rows.append(f"{rank:>4} {len(tl.steps):>5} {_fmt(p.live_bytes):>11} {_fmt(p.fixed_bytes):>11} "
-                    f"{_fmt(p.activation_bytes):>11} {use}  step {p.step}, {p.unit}, {p.phase or '?'}")
+                    f"{_fmt(p.activation_bytes):>11} {shown:>11} {use}  {device:<14} "
+                    f"step {p.step}, {p.unit}, {p.phase or '?'}")
     return "\n".join(rows)

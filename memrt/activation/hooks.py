@@ -5,7 +5,8 @@ to finish importing, then wraps, in place:
 
 - ``torch.distributed.init_process_group``: validates the settings first (bad ones exit 2 before any
   rendezvous), supplies an MPI rendezvous when the job runs under mpiexec without ``MASTER_ADDR``, calls
-  the original, then begins the session (run id, topology, banner, report at exit).
+  the original, compares the settings every rank must share (:mod:`memrt.agreement`: a mismatch exits 2
+  on every rank), then begins the session (run id, topology, banner, report at exit).
 - ``DistributedDataParallel.__init__``: after the original, plans memory for the wrapped module
   (``memrt.auto``) and, when every rank of the DDP group is ready, registers memrt.comm's gradient hook.
 - ``fully_shard`` (FSDP2): begins the session and records the sharded modules.
@@ -210,6 +211,8 @@ def _wrap_init_process_group(original: Callable) -> Callable:
             _session.fail("MPI rendezvous", exc)
         result = original(*args, **kwargs)
         if not _session.is_off():
+            _agree(config)  # SystemExit(2) when the ranks' settings differ, before memrt's first collective
+        if not _session.is_off():
             try:
                 from memrt.activation.report import begin
 
@@ -261,6 +264,9 @@ def _ensure_session() -> "_session.Session | None":
     if not dist.is_initialized():
         return None
     config = _session.load_config_or_exit()
+    _agree(config)
+    if _session.is_off():
+        return None
     try:
         from memrt.activation.report import begin
 
@@ -268,6 +274,18 @@ def _ensure_session() -> "_session.Session | None":
     except Exception as exc:  # noqa: BLE001
         _session.fail("start-up", exc)
         return None
+
+
+def _agree(config: Any) -> None:
+    """Compare the settings every rank must share (memrt.agreement): exit 2 on a mismatch on every rank."""
+    try:
+        from memrt.agreement import check_or_exit
+
+        check_or_exit(config)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken store: memrt steps aside on this rank
+        _session.fail("comparing settings across ranks", exc)
 
 
 def _wrap_ddp_init(original: Callable) -> Callable:

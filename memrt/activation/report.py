@@ -76,6 +76,12 @@ def begin(config: MemrtConfig) -> Session:
                    run_id=run_id, report_dir=_session.report_dir_for(config, run_id), backend=backend,
                    store=store)
     _session.set_current(sess)
+    from memrt.activation.checks import default_report_problem
+
+    sess.report_problem = default_report_problem(config)
+    if sess.report_problem is not None:
+        logger.warning("memrt: rank %d will write no report at exit: %s; set MEMRT_REPORT_DIR to a folder memrt "
+                       "can write", rank, sess.report_problem)
     sess.nodes, sess.nodes_source = _nodes(config, world, backend)
     from memrt.profiling.recorder import get_recorder
 
@@ -88,6 +94,22 @@ def begin(config: MemrtConfig) -> Session:
         sys.stderr.flush()
     atexit.register(at_exit)
     return sess
+
+
+def _device(sess: Session) -> dict[str, Any]:
+    """This rank's device for the report: the first planned model's, else the one memrt would plan for."""
+    import torch
+
+    from memrt.activation.checks import planning_device
+    from memrt.memory.meter import device_capacity_bytes
+
+    device = next((m["device"] for m in sess.models if m.get("device")), None)
+    if device is None:
+        name, capacity = planning_device(sess.launch.local_rank)
+        return {"kind": "cuda" if name.startswith("cuda") else "cpu", "name": name, "capacity_bytes": capacity}
+    dev = torch.device(device)
+    name = f"{dev} ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else str(dev)
+    return {"kind": dev.type, "name": name, "capacity_bytes": device_capacity_bytes(dev)}
 
 
 def _plans(sess: Session) -> list[dict[str, Any]]:
@@ -185,10 +207,11 @@ def at_exit() -> None:
             "launcher": sess.launch.launcher, "backend": sess.backend,
             "nodes": [list(n) for n in sess.nodes] if sess.nodes else None, "nodes_source": sess.nodes_source,
             "config": sess.config.effective(), "models": sess.models, "plans": plans,
-            "comm_hooks": sess.comm_hooks, "failures": sess.failures,
+            "comm_hooks": sess.comm_hooks, "failures": sess.failures, "device": _device(sess),
             "seconds": time.perf_counter() - sess.started_s,
         })
-        recorder.write(sess.report_dir, sess.rank)
+        if sess.report_problem is None:
+            recorder.write(sess.report_dir, sess.rank)
         comm = list(recorder.comm)  # a copy: appends from other threads do not disturb it
         summaries, missing = _exchange(sess, rank_summary(sess, plans, comm))
         if sess.rank == 0:

@@ -37,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", dest="log_level", help="MEMRT_LOG_LEVEL: debug|info|warning|error")
     parser.add_argument("--strict", action="store_true", help="MEMRT_STRICT=1: fail instead of warn-and-continue")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
-    parser.set_defaults(allow_extra=True)
 
 
 def command_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -57,7 +56,7 @@ def command_environment(args: argparse.Namespace, base: dict[str, str] | None = 
 
 
 def run(args: argparse.Namespace) -> int:
-    cmd = list(args.cmd or []) + list(getattr(args, "extra", []) or [])
+    cmd = list(args.cmd or [])  # options memrt run does not know never reach the command: the CLI rejects them
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:

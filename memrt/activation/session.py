@@ -5,8 +5,9 @@ when the process group came from elsewhere). Everything here runs in the trainin
 
 Failure policy: a memrt failure prints ONE warning and the process carries on as if memrt were off
 (:func:`fail`); ``MEMRT_STRICT=1`` raises instead. A setting memrt cannot parse (``MEMRT_BUDGET=lots``)
-is the user's error, not memrt's: rank 0 prints it and every rank exits with status 2 before any
-rendezvous, so no rank waits for another (:func:`load_config_or_exit`).
+is the user's error, not memrt's: the rank that has it prints it and exits with status 2 before any
+rendezvous (:func:`load_config_or_exit`); settings that must be the same on every rank are compared
+right after the rendezvous (:mod:`memrt.agreement`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Session:
     """A PrefixStore over the default process group's store (no device collectives)."""
     ddp_count: int = 0
     """DDP constructions seen (for per-model store keys)."""
+    report_problem: str | None = None
+    """Why no report can be written (the default folder is not writable), found at start; None when it can."""
 
 
 def remember_launch(launch: LaunchInfo) -> None:
@@ -161,13 +164,24 @@ def launch_info_safe() -> LaunchInfo:
 
 
 def load_config_or_exit() -> MemrtConfig:
-    """The effective settings; a bad one prints a clear error on rank 0 and exits 2 on every rank."""
+    """The effective settings, checked on this machine (:mod:`memrt.activation.checks`).
+
+    A bad one is the user's error: the rank that has it prints it (one line, naming the rank in a job) and
+    exits 2, before any rendezvous, so no rank waits for it. Its peers, waiting in the rendezvous, are stopped
+    by the launcher (torchrun, mpiexec).
+    """
+    launch = launch_info_safe()
     try:
         config = load_config()
+        from memrt.activation.checks import startup_errors
+
+        errors = startup_errors(config, launch.local_rank)
+        if errors:
+            raise errors[0]
     except ConfigError as exc:
-        if launch_info_safe().rank == 0:
-            sys.stderr.write(f"memrt: error: {exc}\n")
-            sys.stderr.flush()
+        where = f" (rank {launch.rank})" if launch.world_size > 1 else ""
+        sys.stderr.write(f"memrt: error: {exc}{where}\n")
+        sys.stderr.flush()
         raise SystemExit(2) from None
     logging.getLogger("memrt").setLevel(config.log_level.upper())
     return config

@@ -22,9 +22,8 @@ from typing import Any
 
 from memrt.activation import session as _session
 from memrt.activation.session import Session
-from memrt.config import Budget
 
-__all__ = ["setup_ddp", "note_fully_shard", "budget_argument", "VOTE_TIMEOUT_S"]
+__all__ = ["setup_ddp", "note_fully_shard", "VOTE_TIMEOUT_S"]
 
 logger = logging.getLogger("memrt.activation")
 
@@ -32,13 +31,10 @@ VOTE_TIMEOUT_S = 60.0
 """How long a rank waits for the others' comm-hook votes before leaving DDP's own all-reduce in place."""
 
 
-def budget_argument(budget: Budget | None) -> int | str | None:
-    """MEMRT_BUDGET in the form ``memrt.auto`` documents: bytes, ``"NN%"`` or None."""
-    if budget is None:
-        return None
-    if budget.bytes is not None:
-        return budget.bytes
-    return f"{budget.share * 100:g}%"
+def _device_of(module: Any) -> str | None:
+    """The device of the module's first parameter (``cpu``, ``cuda:1``), or None without parameters."""
+    param = next(iter(module.parameters()), None)
+    return None if param is None else str(param.device)
 
 
 def _missing(exc: ImportError, prefix: str) -> bool:
@@ -57,7 +53,7 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
         logger.debug("memrt.memory not importable: no memory plan")
         return
     try:
-        auto(module, budget=budget_argument(sess.config.budget))
+        auto(module, budget=sess.config.budget)  # the parsed Budget itself: a share resolves on this rank's device
     except Exception:
         try:
             disable(module)
@@ -147,7 +143,7 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     entry: dict[str, Any] = {"kind": "ddp", "index": sess.ddp_count, "module": type(module).__name__,
                              "parameters": sum(p.numel() for p in module.parameters()),
                              "budget": str(sess.config.budget) if sess.config.budget else None,
-                             "memory": "off", "comm_hook": "no"}
+                             "memory": "off", "comm_hook": "no", "device": _device_of(module)}
     sess.models.append(entry)
     register = None
     if not _session.is_off():
