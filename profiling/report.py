@@ -46,11 +46,12 @@ def _rank_plans(data: dict[str, Any]) -> list[Any]:
     if not plans:
         activation = data.get("meta", {}).get("activation")
         plans = activation.get("plans") or [] if isinstance(activation, dict) else []
-    return plans
+    return plans if isinstance(plans, list) else [plans]
 
 
 def _budgets(ranks: list[dict[str, Any]]) -> dict[int, int | None]:
-    """Each rank's own budget in bytes: its last plan's, else its meta's; None when it had none.
+    """Each rank's own budget in bytes: its last plan's, else its meta's (MEMRT=1 records MEMRT_BUDGET resolved
+    on the rank's device); None when it had none.
 
     Budgets are per rank (a share resolves against each rank's own device), so each rank's peak is
     compared with its own."""
@@ -62,8 +63,11 @@ def _budgets(ranks: list[dict[str, Any]]) -> dict[int, int | None]:
             if p and p.get("budget_bytes"):
                 budget = int(p["budget_bytes"])
                 break
-        if budget is None and _is_bytes((data.get("meta") or {}).get("budget_bytes")):
-            budget = int(data["meta"]["budget_bytes"])
+        meta = data.get("meta") or {}
+        activation = meta.get("activation") if isinstance(meta.get("activation"), dict) else {}
+        for fallback in (meta.get("budget_bytes"), activation.get("budget_bytes")):
+            if budget is None and _is_bytes(fallback):
+                budget = int(fallback)
         out[int(data["rank"])] = budget
     return out
 
@@ -126,10 +130,13 @@ def _plan_table(plan: dict[str, Any]) -> str:
     from memrt.config import format_bytes as fb
 
     out = [f"{'unit':<24} {'action':<22} {'kept':>11} {'freed':>11} {'moved':>11} {'added(ms)':>9}"]
-    for u in plan.get("units", []):
-        out.append(f"{str(u.get('name', '?')):<24} {str(u.get('action', '?')):<22} {fb(u.get('bytes_kept', 0)):>11} "
-                   f"{fb(u.get('bytes_freed', 0)):>11} {fb(u.get('bytes_moved', 0)):>11} "
-                   f"{1e3 * float(u.get('added_seconds', 0.0)):>9.2f}")
+    def size(u: dict[str, Any], k: str) -> str:
+        return "-" if u.get(k) is None else fb(u[k])
+
+    for u in plan.get("units") or []:
+        added = "-" if u.get("added_seconds") is None else f"{1e3 * float(u['added_seconds']):.2f}"
+        out.append(f"{str(u.get('name', '?')):<24} {str(u.get('action', '?')):<22} {size(u, 'bytes_kept'):>11} "
+                   f"{size(u, 'bytes_freed'):>11} {size(u, 'bytes_moved'):>11} {added:>9}")
     tail = [f"{k}={fb(plan[k])}" for k in ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes") if plan.get(k)]
     if tail:
         out.append("  ".join(tail))

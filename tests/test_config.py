@@ -19,6 +19,10 @@ MALFORMED = [
     ("MEMRT_TOPOLOGY", "0,1;;2"), ("MEMRT_TOPOLOGY", "a,b"), ("MEMRT_TOPOLOGY", "0,2"), ("MEMRT_TOPOLOGY", "1,2"),
     ("MEMRT_TOPOLOGY", "0,-1"), ("MEMRT_LOG_LEVEL", "verbose"), ("MEMRT_LOG_LEVEL", "trace"),
     ("MEMRT_OFFLOAD_DIR", "\x00bad"), ("MEMRT_REPORT_DIR", "  "),
+    # digits are ASCII only (str.isdigit accepts '²', int() then fails; '١' would even parse as 1)
+    ("MEMRT_TOPOLOGY", "²,0"), ("MEMRT_TOPOLOGY", "0,١"), ("MEMRT_BUDGET", "١GiB"), ("MEMRT_BUDGET", "٥٠%"),
+    # shares from 0.001% to 100% (smaller ones printed as 1e-05% and were dropped in a run)
+    ("MEMRT_BUDGET", "0.00001%"), ("MEMRT_BUDGET", "0.0009%"), ("MEMRT_BUDGET", "100.0001%"),
 ]
 
 
@@ -68,6 +72,23 @@ def test_shares_and_resolution():
     assert cfg.budget.resolve(1000) == 600
     with pytest.raises(ConfigError, match="MEMRT_BUDGET"):
         cfg.budget.resolve(None)
+
+
+@given(st.decimals(min_value="0.001", max_value="100", places=3))
+@settings(max_examples=200, deadline=None)
+def test_every_accepted_share_prints_in_a_form_that_parses_back(pct):
+    budget = load_config({"MEMRT_BUDGET": f"{pct}%"}).budget
+    text = str(budget)
+    assert "e" not in text.lower() and load_config({"MEMRT_BUDGET": text}).budget == budget, (pct, text)
+
+
+def test_budget_above_a_thousand_times_the_device_is_named():
+    from memrt.config import budget_capacity_error
+
+    assert budget_capacity_error(Budget(bytes=1000 * 2**30), 2**30, "cpu") is None
+    err = budget_capacity_error(Budget(bytes=1000 * 2**30 + 1), 2**30, "cuda:0 (H100)")
+    assert "MEMRT_BUDGET=" in str(err) and "at most 1000 x the capacity of cuda:0 (H100)" in str(err)
+    assert budget_capacity_error(Budget(share=1.0), 2**30, "cpu") is None
 
 
 def test_precedence_argument_over_environment_over_default():

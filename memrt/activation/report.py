@@ -112,6 +112,16 @@ def _device(sess: Session) -> dict[str, Any]:
     return {"kind": dev.type, "name": name, "capacity_bytes": device_capacity_bytes(dev)}
 
 
+def _budget_bytes(config: MemrtConfig, device: dict[str, Any]) -> int | None:
+    """MEMRT_BUDGET in bytes on this rank's device (a share resolves against its capacity), or None."""
+    if config.budget is None:
+        return None
+    if config.budget.bytes is not None:
+        return config.budget.bytes
+    capacity = device.get("capacity_bytes")
+    return config.budget.resolve(int(capacity)) if capacity else None
+
+
 def _plans(sess: Session) -> list[dict[str, Any]]:
     out = []
     try:
@@ -202,13 +212,14 @@ def at_exit() -> None:
 
         recorder = get_recorder()
         plans = _plans(sess)
+        device = _device(sess)
         recorder.set_meta(activation={
             "run_id": sess.run_id, "rank": sess.rank, "world_size": sess.world_size,
             "launcher": sess.launch.launcher, "backend": sess.backend,
             "nodes": [list(n) for n in sess.nodes] if sess.nodes else None, "nodes_source": sess.nodes_source,
             "config": sess.config.effective(), "models": sess.models, "plans": plans,
-            "comm_hooks": sess.comm_hooks, "failures": sess.failures, "device": _device(sess),
-            "seconds": time.perf_counter() - sess.started_s,
+            "comm_hooks": sess.comm_hooks, "failures": sess.failures, "device": device,
+            "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
         })
         if sess.report_problem is None:
             recorder.write(sess.report_dir, sess.rank)
