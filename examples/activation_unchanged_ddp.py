@@ -11,6 +11,15 @@ With MEMRT=1, rank 0 prints memrt's banner (every setting and where it came from
 memory of the DDP model against each rank's own budget, routes the gradient all-reduce through
 memrt.comm, and at exit each rank writes ./memrt-report/<run id>/rank<N>.json and rank 0 prints a summary.
 ``memrt run`` does the same without the start-up hook that ``pip install memrt`` puts in site-packages.
+
+Settings that decide which collectives run (MEMRT, MEMRT_TOPOLOGY, MEMRT_COMM, MEMRT_COMPRESS, MEMRT_OFFLOAD)
+are compared across ranks right after init_process_group; ranks that differ stop with one line, exit 2:
+
+    printf '#!/bin/bash\nv=R${LOCAL_RANK}ENV; [ -n "${!v}" ] && export ${!v}\nexec python "$@"\n' > wrap.sh
+    chmod +x wrap.sh
+    R0ENV="MEMRT_TOPOLOGY=0,1" R1ENV="MEMRT_TOPOLOGY=0;1" MEMRT=1 MEMRT_COMM=hier \
+        torchrun --standalone --nproc-per-node 2 --no-python ./wrap.sh examples/activation_unchanged_ddp.py
+    # memrt: error: settings that every rank must share differ: MEMRT_TOPOLOGY: '0,1' on rank 0, '0;1' on rank 1; ...
 """
 
 import argparse

@@ -89,10 +89,10 @@ def format_ranks(ranks: list[int]) -> str:
 
 
 def _show(value: Any) -> str:
-    if value is True:
-        return "on"
+    if value is True:  # as the user writes it: MEMRT=1
+        return "1"
     if value is False:
-        return "off"
+        return "0"
     if value is None:
         return "unset"
     return repr(str(value))

@@ -86,7 +86,7 @@ def torchrun(tmp: Path, script: Path, *args: str, r0: str = "", r1: str = "", ti
 
 
 def record_time(case: str, seconds: float) -> None:
-    print(f"\nfault-time {case} {seconds:.1f}s", flush=True)
+    print(f"\nfault-time {case} {seconds:.3f}s" if seconds < 1 else f"\nfault-time {case} {seconds:.1f}s", flush=True)
 
 
 def leftovers(tmp: Path, *, allowed: tuple[str, ...] = ("wrap.sh", "tmp")) -> list[str]:

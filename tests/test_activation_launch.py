@@ -182,7 +182,10 @@ def test_bad_budget_exits_2_without_hanging(tmp_path):
     t0 = time.monotonic()
     out = _run(argv, _env(MEMRT="1", MEMRT_BUDGET="lots"), tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.count("memrt: error: MEMRT_BUDGET='lots' is not valid") == 1, out.stderr
+    # every rank that has the bad value says so, once, naming itself (mpiexec may stop a rank before it prints)
+    lines = [l for l in out.stderr.splitlines() if l.startswith("memrt: error: MEMRT_BUDGET='lots' is not valid")]
+    ranks = [l.rsplit("(rank ", 1)[-1].rstrip(")") for l in lines]
+    assert 1 <= len(lines) == len(set(ranks)) <= 2 and set(ranks) <= {"0", "1"}, out.stderr
     assert "a share such as 60%" in out.stderr
     assert time.monotonic() - t0 < 100
     assert not (tmp_path / "params.pt").exists()

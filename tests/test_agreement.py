@@ -10,6 +10,7 @@ import pytest
 from memrt import agreement
 from memrt.config import AGREED_VARIABLES, SETTINGS, load_config
 from memrt.errors import AgreementError
+from _faults import record_time
 from memrt.testing import run_processes
 
 
@@ -26,7 +27,7 @@ def test_agreed_settings_are_declared_in_the_table():
 
 
 @pytest.mark.parametrize("var,a,b,shown_a,shown_b", [
-    ("MEMRT", "1", "0", "on", "off"),
+    ("MEMRT", "1", "0", "1", "0"),
     ("MEMRT_TOPOLOGY", "0,1", "0;1", "'0,1'", "'0;1'"),
     ("MEMRT_COMM", "hier", "flat", "'hier'", "'flat'"),
     ("MEMRT_COMPRESS", "int8", "bf16", "'int8'", "'bf16'"),
@@ -50,7 +51,7 @@ def test_equal_values_written_differently_agree():
 def test_a_silent_rank_is_named_as_memrt_off_there():
     verdict = agreement.decide({0: _entry({"MEMRT": "1"}), 2: _entry({"MEMRT": "1"})}, 4, 10.0)
     line = agreement.rank_message(verdict, 0)
-    assert "MEMRT: on on ranks 0,2, no memrt settings from ranks 1,3 within 10 s" in line
+    assert "MEMRT: 1 on ranks 0,2, no memrt settings from ranks 1,3 within 10 s" in line
 
 
 def test_a_rank_with_a_start_up_error_is_reported_to_the_others():
@@ -135,6 +136,7 @@ def test_agreeing_ranks_pass_in_milliseconds_and_only_once_per_group(timed_scena
         message, seconds = timed_scenarios[rank]["default-group"]
         assert message is None and seconds < 2.0, (rank, message, seconds)
         assert timed_scenarios[rank]["again"][1] < 0.05, "a second check of the same group returns at once"
+    record_time("agreement-ok-in-process", max(timed_scenarios[r]["default-group"][1] for r in (0, 1)))
 
 
 @pytest.mark.slow
@@ -142,14 +144,16 @@ def test_mismatch_is_reported_on_every_rank_within_seconds(timed_scenarios):
     (m0, t0), (m1, t1) = (timed_scenarios[r]["mismatch"] for r in (0, 1))
     assert m0 == m1 and "MEMRT_COMM: 'hier' on rank 0, 'flat' on rank 1" in m0
     assert max(t0, t1) < 2.0, (t0, t1)
+    record_time("agreement-mismatch-in-process", max(t0, t1))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("silent", [1, 0])
 def test_a_silent_rank_is_reported_after_the_wait(timed_scenarios, silent):
     message, seconds = timed_scenarios[1 - silent][f"silent{silent}"]
-    assert f"MEMRT: on on rank {1 - silent}, no memrt settings from rank {silent} within 10 s" in message
+    assert f"MEMRT: 1 on rank {1 - silent}, no memrt settings from rank {silent} within 10 s" in message
     assert agreement.AGREE_WAIT_S - 0.5 <= seconds <= agreement.AGREE_WAIT_S + 3.0, seconds
+    record_time(f"agreement-rank-{silent}-silent-in-process", seconds)
 
 
 @pytest.mark.slow

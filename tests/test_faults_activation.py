@@ -81,7 +81,7 @@ def test_memrt_on_one_rank_only_is_named_by_that_rank(tmp_path, baseline, memrt_
     run = torchrun(tmp_path, EXAMPLE, "--steps", "2", **env)
     other = 1 - memrt_rank
     line = _clear_exit(run, baseline, lines=1, bound_s=AGREE_WAIT_S + AGREE_BOUND_S,
-                       needles=[f"MEMRT: on on rank {memrt_rank}, no memrt settings from rank {other} within 10 s",
+                       needles=[f"MEMRT: 1 on rank {memrt_rank}, no memrt settings from rank {other} within 10 s",
                                 "MEMRT unset or off there"])
     assert "inconsistent" not in run.out, "no memrt collective may pair with DDP's own"
     assert "step 0" not in run.out
@@ -119,7 +119,7 @@ def test_unwritable_report_dir_stops_at_start(tmp_path, baseline):
 
 @pytest.mark.parametrize("r0,r1,needle", [
     pytest.param("", "MEMRT_COMM=flat", "MEMRT_COMM: 'auto' (default) on rank 0, 'flat' on rank 1", id="comm"),
-    pytest.param("MEMRT=1", "", "MEMRT: on on rank 0, off (default) on rank 1", id="memrt-on-rank-0"),
+    pytest.param("MEMRT=1", "", "MEMRT: 1 on rank 0, 0 (default) on rank 1", id="memrt-on-rank-0"),
 ])
 def test_memrt_comm_api_checks_agreement_too(tmp_path, baseline, r0, r1, needle):
     run = torchrun(tmp_path, COMM_JOB, r0=r0, r1=r1)
