@@ -133,6 +133,9 @@ def check_rank_file(data: Any) -> str | None:
         return f"'rank' is {data['rank']!r}, not a rank number"
     if "meta" in data and not isinstance(data["meta"], dict):
         return f"'meta' is {type(data['meta']).__name__}, not an object"
+    fixed = (data.get("meta") or {}).get("fixed_bytes")
+    if fixed is not None and not _number(fixed):
+        return f"'meta.fixed_bytes' is {fixed!r}, not a number of bytes"
     for key in ("t0_unix", "t0_perf"):
         if data.get(key) is not None and not _number(data[key]):
             return f"'{key}' is {data[key]!r}, not a number"
@@ -223,8 +226,7 @@ def load_rank_files(directory: str | Path, *, run_id: str | None = None
 
 
 def _missing_ranks(d: Path, ranks: list[dict[str, Any]], problems: list[RankFileProblem]) -> list[RankFileProblem]:
-    sizes = {(r.get("meta") or {}).get("world_size") for r in ranks}
-    sizes = {s for s in sizes if _count(s)}
+    sizes = {size for r in ranks if _count(size := (r.get("meta") or {}).get("world_size"))}
     if len(sizes) != 1:
         return []
     world = sizes.pop()
