@@ -223,18 +223,30 @@ def check(config: MemrtConfig, *, local_error: BaseException | str | None = None
 def _exchange(store: Any, gen: str, rank: int, world: int, mine: dict[str, Any], wait_s: float,
               lazy: bool) -> dict[str, Any]:
     keys = [f"{gen}/{r}" for r in range(world)]
-    verdict_key = f"{gen}/verdict"
+    verdict_key, read_key = f"{gen}/verdict", f"{gen}/read"
     store.set(keys[rank], json.dumps(mine))
     if rank == 0:
         entries, waited = _collect(store, keys, world, wait_s, lazy)
         verdict = decide(entries, world, waited)
         store.set(verdict_key, json.dumps(verdict))
+        if rank_message(verdict, 0) is not None:
+            # Rank 0 may host the store (env:// without torchrun): before it exits, let the others read.
+            deadline = time.monotonic() + VERDICT_MARGIN_S
+            while store.add(read_key, 0) < len(entries) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
         return verdict
-    if _wait(store, [verdict_key], wait_s) or (store.check([keys[0]]) and
-                                               _wait(store, [verdict_key], VERDICT_MARGIN_S)):
-        return json.loads(store.get(verdict_key))
-    # No verdict: rank 0 is not running memrt (its entry never came) or stopped before deciding.
-    present = {r: json.loads(store.get(keys[r])) for r in range(world) if store.check([keys[r]])}
+    try:
+        if _wait(store, [verdict_key], wait_s) or (store.check([keys[0]]) and
+                                                   _wait(store, [verdict_key], VERDICT_MARGIN_S)):
+            verdict = json.loads(store.get(verdict_key))
+            store.add(read_key, 1)
+            return verdict
+        # No verdict: rank 0 is not running memrt (its entry never came) or stopped before deciding.
+        present = {r: json.loads(store.get(keys[r])) for r in range(world) if store.check([keys[r]])}
+    except RuntimeError as exc:  # the store went away: its host (rank 0, or the launcher) stopped
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise AgreementError(f"rank {rank} lost the store while comparing memrt settings ({first}); "
+                             "rank 0 stopped: see its output") from None
     if 0 not in present:
         return decide(present, world, wait_s)
     raise AgreementError(f"rank 0 sent its memrt settings but no verdict within {wait_s + VERDICT_MARGIN_S:.0f} s "

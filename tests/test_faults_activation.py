@@ -141,3 +141,28 @@ def test_equal_settings_written_differently_agree_and_the_job_runs(tmp_path):
     assert leftovers(tmp_path, allowed=("wrap.sh", "tmp", "rep")) == []
     comm = torchrun(tmp_path, COMM_JOB, r0="MEMRT_COMM=FLAT", r1="MEMRT_COMM=flat")
     assert comm.rc == 0 and "sum [3.0, 3.0, 3.0, 3.0]" in comm.out, comm.out[-3000:]
+
+
+@pytest.mark.mpi
+def test_mismatch_under_mpiexec_where_rank_0_hosts_the_store(tmp_path, baseline):
+    """Without torchrun, rank 0 hosts the store: it waits until the others read the verdict before it exits."""
+    import subprocess
+    import sys
+    import time
+
+    from _faults import clean_env
+    from memrt.testing import venv_bin
+
+    args = [sys.executable, str(EXAMPLE), "--steps", "2"]
+    argv = [venv_bin("mpiexec"), "-n", "1", "-env", "MEMRT_COMM", "hier", *args,
+            ":", "-n", "1", "-env", "MEMRT_COMM", "flat", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=clean_env(tmp_path, MEMRT="1"), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=150)
+    seconds = time.perf_counter() - t0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("memrt: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors == [errors[0]] * 2 and "MEMRT_COMM: 'hier' on rank 0, 'flat' on rank 1" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and seconds <= baseline + AGREE_BOUND_S
+    assert leftovers(tmp_path, allowed=("tmp",)) == []
+    record_time("mismatch-under-mpiexec", seconds)
