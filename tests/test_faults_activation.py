@@ -15,10 +15,15 @@ machine needs to start two ranks and tear them down, so that load from other job
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
+from _faults import COMM_JOB, EXAMPLE, clean_env, leftovers, record_time, torchrun
 from memrt.agreement import AGREE_WAIT_S
-from _faults import COMM_JOB, EXAMPLE, leftovers, record_time, torchrun
+from memrt.testing import venv_bin
 
 pytestmark = pytest.mark.slow
 
@@ -117,6 +122,21 @@ def test_unwritable_report_dir_stops_at_start(tmp_path, baseline):
     record_time("unwritable-report-dir", run.seconds)
 
 
+def test_default_report_folder_that_cannot_be_written_is_one_warning_at_start(tmp_path):
+    """MEMRT_REPORT_DIR unset and ./memrt-report unusable (here: a file): say so at start, train, write nothing."""
+    (tmp_path / "memrt-report").write_text("a file where the default report folder would go")
+    t0 = time.perf_counter()
+    run = torchrun(tmp_path, EXAMPLE, "--steps", "2", MEMRT="1")
+    assert run.rc == 0 and run.errors() == [], run.out[-3000:]
+    warnings = [l for l in run.out.splitlines() if "will write no report at exit" in l]
+    assert sorted(w.split("rank ")[1][0] for w in warnings) == ["0", "1"], run.out[-3000:]
+    assert all("memrt-report is not a directory" in w and "set MEMRT_REPORT_DIR" in w for w in warnings)
+    assert "step 1 loss" in run.out and "writing the report" not in run.out
+    assert (tmp_path / "memrt-report").read_text().startswith("a file")
+    assert leftovers(tmp_path, allowed=("wrap.sh", "tmp", "memrt-report")) == []
+    record_time("default-report-folder-unwritable(job runs)", time.perf_counter() - t0)
+
+
 @pytest.mark.parametrize("r0,r1,needle", [
     pytest.param("", "MEMRT_COMM=flat", "MEMRT_COMM: 'auto' (default) on rank 0, 'flat' on rank 1", id="comm"),
     pytest.param("MEMRT=1", "", "MEMRT: 1 on rank 0, 0 (default) on rank 1", id="memrt-on-rank-0"),
@@ -146,13 +166,6 @@ def test_equal_settings_written_differently_agree_and_the_job_runs(tmp_path):
 @pytest.mark.mpi
 def test_mismatch_under_mpiexec_where_rank_0_hosts_the_store(tmp_path, baseline):
     """Without torchrun, rank 0 hosts the store: it waits until the others read the verdict before it exits."""
-    import subprocess
-    import sys
-    import time
-
-    from _faults import clean_env
-    from memrt.testing import venv_bin
-
     args = [sys.executable, str(EXAMPLE), "--steps", "2"]
     argv = [venv_bin("mpiexec"), "-n", "1", "-env", "MEMRT_COMM", "hier", *args,
             ":", "-n", "1", "-env", "MEMRT_COMM", "flat", *args]
