@@ -330,7 +330,7 @@ def load_config(env: Mapping[str, str] | None = None, *, warn_unknown: bool = Tr
         sources[var] = "default"
         if fname in overrides and overrides[fname] is not None:
             raw = overrides.pop(fname)
-            values[fname] = raw if _already_typed(fname, raw) else parse(var, raw)
+            values[fname] = raw if _already_typed(fname, parse, raw) else parse(var, raw)
             sources[var] = "argument"
         elif var in env and env[var].strip() != "":
             values[fname] = parse(var, env[var])
@@ -349,11 +349,11 @@ def load_config(env: Mapping[str, str] | None = None, *, warn_unknown: bool = Tr
     return MemrtConfig(**values, sources=sources)
 
 
-def _already_typed(fname: str, raw: Any) -> bool:
+def _already_typed(fname: str, parse: Callable[[str, Any], Any], raw: Any) -> bool:
+    if isinstance(raw, bool):  # every boolean setting (MEMRT, MEMRT_STRICT, and any added later)
+        return parse is parse_bool
     if fname == "budget":
         return isinstance(raw, Budget)
-    if fname in ("enabled", "strict"):
-        return isinstance(raw, bool)
     if fname == "topology":
         return isinstance(raw, tuple)
     return False
