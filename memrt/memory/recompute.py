@@ -6,17 +6,22 @@ again with the RNG state (CPU and the unit's CUDA device), autocast state and gr
 call, collecting the tensors to save in the same order. Buffers that the original forward mutated in
 place (BatchNorm running statistics) are restored after the recomputation, so they change exactly once.
 A recomputed tensor is released as soon as autograd releases its handle.
+
+With an :class:`InputStore` (the offload engine's), the unit's tensor inputs are handed to the store
+too (to disk or host memory) and loaded back for the recomputation. The autograd graph is the one
+stock PyTorch builds in every case: only what is saved changes, never the nodes or the order in which
+gradients are summed, so gradients are bitwise those of a run without memrt.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["RecomputeError", "RecomputeHooks", "run_recomputed"]
+__all__ = ["InputStore", "RecomputeError", "RecomputeHooks", "run_recomputed"]
 
 
 class RecomputeError(RuntimeError):
@@ -29,6 +34,21 @@ class RecomputeHooks:
     def on_pack(self, t: torch.Tensor) -> None: ...
     def on_begin(self) -> None: ...
     def on_end(self) -> None: ...
+
+
+class InputStore(Protocol):
+    """Where a recomputed unit's inputs wait for backward: ``pack`` returns the tensor itself (kept) or
+    a handle; ``unpack`` returns the tensor for a handle (and anything else unchanged)."""
+
+    def pack(self, t: torch.Tensor) -> Any: ...
+    def unpack(self, obj: Any) -> torch.Tensor: ...
+
+
+class _Stored:
+    __slots__ = ("obj", "requires_grad")
+
+    def __init__(self, obj: Any, requires_grad: bool) -> None:
+        self.obj, self.requires_grad = obj, requires_grad
 
 
 class _Handle:
@@ -50,19 +70,23 @@ def _autocast_state(device_types: tuple[str, ...]) -> list[tuple[str, bool, torc
 
 
 class _Frame:
-    __slots__ = ("fn", "args", "kwargs", "module", "name", "cpu_rng", "cuda_rng", "cuda_device", "autocast",
+    __slots__ = ("fn", "flat", "spec", "store", "module", "name", "cpu_rng", "cuda_rng", "cuda_device", "autocast",
                  "cache_enabled", "mutated", "stash", "alive", "n_packed", "hooks")
 
-    def __init__(self, fn, args, kwargs, module, name, hooks):
-        self.fn, self.args, self.kwargs, self.module, self.name, self.hooks = fn, args, kwargs, module, name, hooks
+    def __init__(self, fn, args, kwargs, module, name, hooks, store):
+        self.fn, self.module, self.name, self.hooks, self.store = fn, module, name, hooks, store
+        flat, self.spec = tree_flatten((args, kwargs))
         self.cpu_rng = torch.get_rng_state()
         self.cuda_device = None
         self.cuda_rng = None
-        for t in tree_flatten((args, kwargs))[0]:
+        for t in flat:
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 self.cuda_device = t.device
                 self.cuda_rng = torch.cuda.get_rng_state(t.device)
                 break
+        if store is not None:
+            flat = [_Stored(store.pack(v), v.requires_grad) if isinstance(v, torch.Tensor) else v for v in flat]
+        self.flat = flat
         types = ("cpu", "cuda") if self.cuda_device is not None else ("cpu",)
         self.autocast = _autocast_state(types)
         self.cache_enabled = torch.is_autocast_cache_enabled()
@@ -70,6 +94,20 @@ class _Frame:
         self.stash: dict[int, torch.Tensor] = {}
         self.alive: set[int] = set()
         self.n_packed = 0
+
+    def inputs(self) -> tuple[tuple, dict]:
+        """The call's (args, kwargs): the originals, or copies loaded from the store (same requires_grad)."""
+        if self.store is None:
+            return tree_unflatten(self.flat, self.spec)
+        flat = []
+        for v in self.flat:
+            if isinstance(v, _Stored):
+                t = self.store.unpack(v.obj)
+                if t is not v.obj:  # a loaded copy: a fresh leaf, as the saved tensors of a graph are
+                    t = t.detach().requires_grad_(v.requires_grad)
+                v = t
+            flat.append(v)
+        return tree_unflatten(flat, self.spec)
 
     def recompute(self) -> None:
         stash: list[torch.Tensor | None] = []
@@ -83,6 +121,7 @@ class _Frame:
 
         if self.hooks is not None:
             self.hooks.on_begin()
+        args, kwargs = self.inputs()
         saved_bufs = [(b, b.detach().clone()) for b in self.mutated]
         cur_cpu = torch.get_rng_state()
         cur_cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
@@ -96,7 +135,7 @@ class _Frame:
                                                        cache_enabled=self.cache_enabled))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-                self.fn(*self.args, **self.kwargs)
+                self.fn(*args, **kwargs)
         finally:
             torch.set_rng_state(cur_cpu)
             if cur_cuda is not None:
@@ -104,7 +143,7 @@ class _Frame:
             with torch.no_grad():
                 for b, v in saved_bufs:
                     b.copy_(v)
-            del saved_bufs
+            del saved_bufs, args, kwargs
         if len(stash) != self.n_packed:
             raise RecomputeError(
                 f"memrt: recomputing unit {self.name!r} saved {len(stash)} tensors, the original forward saved "
@@ -116,11 +155,12 @@ class _Frame:
 
 
 def run_recomputed(fn: Callable[..., Any], args: tuple, kwargs: dict, *, module: torch.nn.Module,
-                   name: str = "", hooks: RecomputeHooks | None = None) -> Any:
-    """Call ``fn(*args, **kwargs)`` keeping only its inputs; backward recomputes what it needs."""
+                   name: str = "", hooks: RecomputeHooks | None = None, store: InputStore | None = None) -> Any:
+    """Call ``fn(*args, **kwargs)`` keeping only its inputs (in ``store`` when given); backward recomputes
+    what it needs."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, module, name, hooks)
+    frame = _Frame(fn, args, kwargs, module, name, hooks, store)
     on_pack = hooks.on_pack if hooks is not None else None
 
     def pack(x: torch.Tensor) -> _Handle:
