@@ -1,0 +1,164 @@
+"""Train a zoo model (:mod:`memrt.testing.zoo`) under several arms and measure each from outside.
+
+``python -m memrt.testing.zoo_run --model gpt2 --size tiny --fractions 0.25,0.5,0.75 --out r.json``
+
+Arms: ``none`` (stock), ``ckpt1`` / ``ckpt2`` (the model's own checkpointing of every / every second
+layer) and ``memrt`` at budgets placed between ``ckpt1`` and ``none``: ``budget = ckpt1 + f * (none -
+ckpt1)`` for each fraction ``f``, both ends measured here the same way. Each arm builds the model from
+the same seed, trains ``--steps`` AdamW steps with the same dropout seed and reports:
+
+- ``outside_peak_bytes``: the process's peak RSS growth over the arm (``ru_maxrss``, reset before the
+  arm through ``/proc/self/clear_refs``, minus the RSS then), with the model built inside the arm, so
+  it counts what the budget counts (parameters, gradients, optimizer state, inputs, activations) plus
+  whatever else the arm's code holds. Run with ``MALLOC_MMAP_THRESHOLD_=65536`` (the parent sets it)
+  so freed large blocks leave RSS at once.
+- ``state_sha256`` and ``state_keys`` of the ``state_dict`` after the last step (bitwise comparison).
+- ``step_seconds`` per step, and memrt's plan.
+
+A warm-up runs first (one stock step, then two memrt steps at the middle budget), so one-time costs of
+the process (kernel libraries' workspaces, modules imported on first use, memrt's I/O thread) are in
+every arm's baseline alike; the offload bandwidth figures come from the cache the environment points at
+(``XDG_CACHE_HOME``), probed during the warm-up when it is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_arm", "main", "peak_reset", "ru_maxrss_bytes"]
+
+
+def ru_maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_reset() -> int:
+    """Reset the process's peak RSS to its current RSS (Linux ``clear_refs`` 5); returns that RSS."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as exc:
+        raise RuntimeError(f"cannot reset the peak RSS through /proc/self/clear_refs ({exc}); the outside "
+                           "peak needs Linux >= 4.0 with a writable /proc") from exc
+    return _rss_bytes()
+
+
+def _state_digest(model: Any) -> tuple[str, list[str]]:
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest(), list(state)
+
+
+def run_arm(name: str, size: str, arm: str, *, steps: int, budget: int | None = None,
+            keep: bool = False) -> dict[str, Any]:
+    """One arm from a fresh model; ``keep``: also return the model and optimizer (timing rounds)."""
+    import torch
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.zoo import build
+
+    base = peak_reset()
+    case = build(name, size, seed=0)
+    model = case.model
+    if arm.startswith("ckpt"):
+        case.checkpoint(model, int(arm[4:]))
+    elif arm == "memrt":
+        memrt.auto(model, budget, cache=PlanCache())
+    elif arm != "none":
+        raise ValueError(f"unknown arm {arm!r}: expected none, ckpt1, ckpt2 or memrt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1234)  # the dropout / stochastic depth stream, the same in every arm
+    times = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model, s)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        del loss
+    peak = ru_maxrss_bytes() - base
+    sha, keys = _state_digest(model)
+    plan = memrt.plan_of(model) if arm == "memrt" else None
+    out: dict[str, Any] = {
+        "arm": arm, "budget_bytes": budget, "outside_peak_bytes": int(peak), "state_sha256": sha,
+        "state_keys": keys, "step_seconds": times,
+        "plan": None if plan is None else {"actions": [u.action for u in plan.units],
+                                           "predicted_peak_bytes": plan.predicted_peak_bytes,
+                                           "measured_peak_bytes": plan.measured_peak_bytes},
+        "description": case.description,
+    }
+    if keep:
+        out["_live"] = (case, model, opt)
+    else:
+        if arm == "memrt":
+            memrt.disable(model)
+        del case, model, opt
+        gc.collect()
+    return out
+
+
+def budgets_between(low: int, high: int, fractions: list[float]) -> list[int]:
+    return [int(low + f * (high - low)) for f in fractions]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m memrt.testing.zoo_run")
+    p.add_argument("--model", required=True)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--fractions", default="0.25,0.5,0.75",
+                   help="memrt budgets between the model's own checkpointing (0) and none (1)")
+    p.add_argument("--refs", default="none,ckpt1", help="reference arms to run (none and ckpt1 are needed)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import memrt.memory.offload  # noqa: F401 - imported before any baseline: module code is no arm's memory
+    import memrt.memory.planner  # noqa: F401
+
+    warm = run_arm(args.model, args.size, "none", steps=1)
+    run_arm(args.model, args.size, "memrt", steps=2, budget=warm["outside_peak_bytes"] // 2)
+    refs = [a for a in args.refs.split(",") if a]
+    if "none" not in refs or "ckpt1" not in refs:
+        raise SystemExit("--refs must include none and ckpt1 (the budgets lie between them)")
+    results = [run_arm(args.model, args.size, a, steps=args.steps) for a in refs]
+    by = {r["arm"]: r for r in results}
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    budgets = budgets_between(by["ckpt1"]["outside_peak_bytes"], by["none"]["outside_peak_bytes"], fractions)
+    for f, b in zip(fractions, budgets):
+        try:
+            r = run_arm(args.model, args.size, "memrt", steps=args.steps, budget=b)
+        except Exception as exc:  # noqa: BLE001 - reported as this arm's failure, the parent decides
+            r = {"arm": "memrt", "budget_bytes": b, "error": f"{type(exc).__name__}: {exc}"}
+        r["fraction"] = f
+        results.append(r)
+    Path(args.out).write_text(json.dumps({"model": args.model, "size": args.size, "steps": args.steps,
+                                          "threads": args.threads, "arms": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
