@@ -118,6 +118,30 @@ def run_arm(name: str, size: str, arm: str, *, steps: int, budget: int | None = 
     return out
 
 
+def time_arms(name: str, size: str, arms: list[tuple[str, str, int | None]], *, rounds: int,
+              steps: int) -> dict[str, float]:
+    """Median step seconds of each ``(label, arm, budget)``, all built first and timed in interleaved rounds
+    (``steps`` steps per arm per round), so drift on a shared machine hits every arm alike. memrt's arms
+    are warmed up first (profile, plan, certify) while no other model is alive."""
+    live: dict[str, tuple] = {}
+    order = sorted(arms, key=lambda a: a[1] != "memrt")
+    for label, arm, budget in order:
+        live[label] = run_arm(name, size, arm, steps=3, budget=budget, keep=True)["_live"]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in arms}
+    step = 3
+    for _ in range(rounds):
+        for label, _, _ in arms:
+            case, model, opt = live[label]
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                case.loss(model, step).backward()
+                opt.step()
+                times[label].append(time.perf_counter() - t0)
+        step += 1
+    return {label: sorted(v)[len(v) // 2] for label, v in times.items()}
+
+
 def budgets_between(low: int, high: int, fractions: list[float]) -> list[int]:
     return [int(low + f * (high - low)) for f in fractions]
 
@@ -131,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="memrt budgets between the model's own checkpointing (0) and none (1)")
     p.add_argument("--refs", default="none,ckpt1", help="reference arms to run (none and ckpt1 are needed)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--time-rounds", type=int, default=0, help="interleaved timing rounds of every arm (0: none)")
+    p.add_argument("--time-steps", type=int, default=2, help="steps per arm per timing round")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     import torch
@@ -155,8 +181,14 @@ def main(argv: list[str] | None = None) -> int:
             r = {"arm": "memrt", "budget_bytes": b, "error": f"{type(exc).__name__}: {exc}"}
         r["fraction"] = f
         results.append(r)
+    timing = None
+    if args.time_rounds > 0:
+        arms = [(a, a, None) for a in refs] + [(f"memrt@{f}", "memrt", b) for f, b in zip(fractions, budgets)
+                                                if "error" not in next(r for r in results if r.get("fraction") == f)]
+        timing = time_arms(args.model, args.size, arms, rounds=args.time_rounds, steps=args.time_steps)
     Path(args.out).write_text(json.dumps({"model": args.model, "size": args.size, "steps": args.steps,
-                                          "threads": args.threads, "arms": results}, indent=1))
+                                          "threads": args.threads, "arms": results, "median_step_seconds": timing},
+                                         indent=1))
     return 0
 
 
