@@ -118,3 +118,56 @@ def test_ten_auto_runs_all_bitwise_stock(name, one_thread):
         seen_actions.update(u.action for u in plan.units)
         assert _differs(state, ref) == [], f"{name}: run {run + 1} of {RUNS} differs from stock; plan:\n{plan}"
     assert len(seen_actions) >= 2, f"{name}: the budget forced no mix of actions: {seen_actions}"
+
+
+@pytest.mark.slow
+def test_plans_from_perturbed_timings_and_slow_io_are_bitwise_stock(one_thread, monkeypatch, tmp_path):
+    """Timings decide the plan: plans made from randomly perturbed unit timings (many different plans) are
+    all bitwise stock; and offload I/O that completes late and out of step (random delays on the I/O
+    thread) changes nothing either."""
+    import dataclasses
+    import random
+    import time
+
+    from memrt.memory.offload import disk
+
+    torch.manual_seed(0)
+    base, batch, loss_fn = MODELS["long_skip"]()
+    ref = _train(copy.deepcopy(base), batch, loss_fn)
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(0)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    with torch.random.fork_rng(devices=[]):
+        profile = memrt.profile(model, step)
+    base_plan = memrt.plan(profile, None, offload="auto")
+    budget = int(base_plan.min_feasible_bytes + 0.3 * (base_plan.keep_all_peak_bytes - base_plan.min_feasible_bytes))
+    rnd = random.Random(7)  # private: the user's generators stay untouched
+    original_write, original_read = disk.DiskTier._write_entry, disk.DiskTier._read
+
+    def slow_write(self, entry):
+        time.sleep(rnd.random() * 0.004)
+        return original_write(self, entry)
+
+    def slow_read(self, entry, dst):
+        time.sleep(rnd.random() * 0.004)
+        return original_read(self, entry, dst)
+
+    monkeypatch.setattr(disk.DiskTier, "_write_entry", slow_write)
+    monkeypatch.setattr(disk.DiskTier, "_read", slow_read)
+    plans = set()
+    for trial in range(6):
+        units = [dataclasses.replace(u, forward_seconds=u.forward_seconds * rnd.uniform(0.05, 20.0))
+                 for u in profile.units]
+        plan = memrt.plan(dataclasses.replace(profile, units=units), budget, offload="auto")
+        plans.add(tuple(u.action for u in plan.units))
+        model = copy.deepcopy(base)
+        state = _train(model, batch, loss_fn, setup=lambda m: memrt.apply(m, plan, offload_dir=str(tmp_path)))
+        memrt.disable(model)
+        assert _differs(state, ref) == [], f"trial {trial}: plan {[u.action for u in plan.units]} differs"
+    assert len(plans) >= 2, f"the perturbed timings gave one plan only: {plans}"
