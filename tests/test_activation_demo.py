@@ -39,7 +39,7 @@ def test_demo_side_by_side(tmp_path):
     assert text.count("memrt 0.1.0 on |") == 1
     result = json.loads((tmp_path / "demo.json").read_text())
     assert result["parameters_equal"] is True, text[-3000:]
-    assert (tmp_path / "empty-cache" / "memrt" / "bandwidth.json").exists(), "the demo did not probe the new machine"
+    assert any((tmp_path / "empty-cache").rglob("*.json")), "the demo did not probe (and cache) on the new machine"
     peak_stock, peak_memrt = result["peak_bytes"]
     assert peak_memrt <= result["budget_bytes"] < peak_stock, result["peak_bytes"]
     plan = result["memrt"][0]["plan"]

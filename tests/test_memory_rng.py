@@ -96,7 +96,7 @@ def test_planning_with_an_empty_cache_leaves_generators_alone(empty_cache):
     _seed_all(4)
     before = rng_states()
     plan = memrt.plan(profile, int(0.6 * memrt.plan(profile, None).keep_all_peak_bytes), offload="auto")
-    assert (empty_cache / "memrt" / "bandwidth.json").exists(), "the probe should have run inside plan()"
+    assert any(empty_cache.rglob("*.json")), "the bandwidth probe should have run (and cached) inside plan()"
     assert any(u.action != "keep" for u in plan.units)
     assert changed_generators(before, rng_states()) == []
 
