@@ -7,8 +7,10 @@ layer) and ``memrt`` at budgets placed between ``ckpt1`` and ``none``: ``budget 
 ckpt1)`` for each fraction ``f``, both ends measured here the same way. Each arm builds the model from
 the same seed, trains ``--steps`` AdamW steps with the same dropout seed and reports:
 
-- ``outside_peak_bytes``: the process's peak RSS growth over the arm (``ru_maxrss``, reset before the
-  arm through ``/proc/self/clear_refs``, minus the RSS then), with the model built inside the arm, so
+- ``outside_peak_bytes``: the process's peak RSS growth over the arm (the kernel's high-water mark
+  ``VmHWM``, what ``ru_maxrss`` reports in a fresh process, reset before the arm through
+  ``/proc/self/clear_refs``, minus the RSS then; ``ru_maxrss`` itself cannot be used after a reset: it
+  also keeps the RSS the process had at fork, a big parent's), with the model built inside the arm, so
   it counts what the budget counts (parameters, gradients, optimizer state, inputs, activations) plus
   whatever else the arm's code holds. Run with ``MALLOC_MMAP_THRESHOLD_=65536`` (the parent sets it)
   so freed large blocks leave RSS at once.
@@ -27,17 +29,21 @@ import argparse
 import gc
 import hashlib
 import json
-import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_arm", "main", "peak_reset", "ru_maxrss_bytes"]
+__all__ = ["run_arm", "main", "peak_reset", "peak_rss_bytes"]
 
 
-def ru_maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak_rss_bytes() -> int:
+    """The high-water mark of this process's resident memory since start or :func:`peak_reset` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: the outside peak needs Linux")
 
 
 def _rss_bytes() -> int:
@@ -97,7 +103,7 @@ def run_arm(name: str, size: str, arm: str, *, steps: int, budget: int | None = 
         opt.step()
         times.append(time.perf_counter() - t0)
         del loss
-    peak = ru_maxrss_bytes() - base
+    peak = peak_rss_bytes() - base
     sha, keys = _state_digest(model)
     plan = memrt.plan_of(model) if arm == "memrt" else None
     out: dict[str, Any] = {
