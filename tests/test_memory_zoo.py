@@ -2,7 +2,8 @@
 
 Per model (memrt.testing.zoo: GPT-2, Llama, BERT with padding masks, T5, ConvNeXt), one fresh process
 (memrt.testing.zoo_run) trains stock, the model's own checkpointing of every layer, and memrt.auto at 3
-budgets between those two peaks (both measured from outside in the same process), 3 AdamW steps each,
+budgets between those two peaks (memrt.testing.zoo.budget_fractions; both measured from outside in the
+same process), 3 AdamW steps each,
 with an empty cache directory and default settings (offload auto). Asserted per budget: the state_dict
 after the steps has the same keys and the same bits as stock's; memrt planned something other than keep;
 the process's peak RSS growth over the arm is at most 1.10 x the budget.

@@ -1,6 +1,6 @@
 """Train a zoo model (:mod:`memrt.testing.zoo`) under several arms and measure each from outside.
 
-``python -m memrt.testing.zoo_run --model gpt2 --size tiny --fractions 0.25,0.5,0.75 --out r.json``
+``python -m memrt.testing.zoo_run --model gpt2 --size tiny --out r.json``
 
 Arms: ``none`` (stock), ``ckpt1`` / ``ckpt2`` (the model's own checkpointing of every / every second
 layer) and ``memrt`` at budgets placed between ``ckpt1`` and ``none``: ``budget = ckpt1 + f * (none -
@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--size", default="tiny")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--fractions", default="0.25,0.5,0.75",
-                   help="memrt budgets between the model's own checkpointing (0) and none (1)")
+    p.add_argument("--fractions", default=None,
+                   help="memrt budgets between the model's own checkpointing (0) and none (1); default: "
+                        "memrt.testing.zoo.budget_fractions (0.25,0.5,0.75; ConvNeXt 0.5,0.7,0.9)")
     p.add_argument("--refs", default="none,ckpt1", help="reference arms to run (none and ckpt1 are needed)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--time-rounds", type=int, default=0, help="interleaved timing rounds of every arm (0: none)")
@@ -183,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--refs must include none and ckpt1 (the budgets lie between them)")
     results = [run_arm(args.model, args.size, a, steps=args.steps) for a in refs]
     by = {r["arm"]: r for r in results}
-    fractions = [float(f) for f in args.fractions.split(",") if f]
+    from memrt.testing.zoo import budget_fractions
+
+    fractions = ([float(f) for f in args.fractions.split(",") if f] if args.fractions
+                 else list(budget_fractions(args.model)))
     budgets = budgets_between(by["ckpt1"]["outside_peak_bytes"], by["none"]["outside_peak_bytes"], fractions)
     for f, b in zip(fractions, budgets):
         try:
