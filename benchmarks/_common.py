@@ -184,9 +184,36 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, title:
 
 
 def skip_line(arm: str, reason: str) -> dict[str, str]:
-    """Print that ``arm`` is skipped and why (never silently); return the record for the JSON."""
+    """Print that ``arm`` is skipped and why (never silently); return the record for the JSON.
+
+    Only for a requirement this machine lacks, named in ``reason`` (root, a GPU, a package): an arm
+    that raises is a failure (:func:`fail_line`), never a skip."""
     print(f"SKIP {arm}: {reason}", flush=True)
     return {"arm": arm, "skipped": reason}
+
+
+_FAILURES: list[dict[str, str]] = []
+
+
+def fail_line(arm: str, reason: str) -> dict[str, str]:
+    """Print that ``arm`` failed and why; the benchmark then exits non-zero (:func:`exit_code`)."""
+    print(f"FAIL {arm}: {reason}", flush=True)
+    record = {"arm": arm, "failed": reason}
+    _FAILURES.append(record)
+    return record
+
+
+def failures() -> list[dict[str, str]]:
+    """Every :func:`fail_line` of this process."""
+    return list(_FAILURES)
+
+
+def exit_code() -> int:
+    """1 when any arm failed (printed FAIL), else 0."""
+    if _FAILURES:
+        print(f"{len(_FAILURES)} arm(s) FAILED: {', '.join(f['arm'] for f in _FAILURES)}", flush=True)
+        return 1
+    return 0
 
 
 def _jsonable(obj: Any) -> Any:

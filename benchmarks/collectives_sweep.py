@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import (base_parser, fmt_ratio, launch_ranks, machine_info, machine_line, print_table,
-                                result_lines, save_plot, skip_line, write_json)
+from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_ratio, launch_ranks, machine_info,
+                                machine_line, print_table, result_lines, save_plot, skip_line, write_json)
 
 __all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR"]
 
@@ -147,18 +147,19 @@ def _run_impl(impl: str, net: str, cluster: Any, ops: list[str], sizes: list[int
             skip_line(f"mpi@{net}", f"{exc} (pip install mpi4py mpich)")
             return None
         if proc.returncode != 0:
-            skip_line(f"mpi@{net}", f"mpiexec failed: {proc.stderr.strip()[-400:]}")
+            fail_line(f"mpi@{net}", f"mpiexec failed: {proc.stderr.strip()[-400:]}")
             return None
         outs = [(0, proc.stdout, proc.stderr)]
     else:
         env = {"MEMRT_TOPOLOGY": "0,1;2,3"}
         if impl.startswith("memrt-"):
             env["MEMRT_COMM"] = impl.split("-", 1)[1]
-        outs = launch_ranks(base, nodes=NODES, cluster=cluster, env=env, timeout_s=1800)
     try:
+        if impl != "mpi":
+            outs = launch_ranks(base, nodes=NODES, cluster=cluster, env=env, timeout_s=1800)
         return result_lines(outs)[0]
-    except (RuntimeError, IndexError) as exc:
-        skip_line(f"{impl}@{net}", f"failed: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a failing implementation fails the benchmark
+        fail_line(f"{impl}@{net}", f"{type(exc).__name__}: {exc}")
         return None
 
 
@@ -185,7 +186,7 @@ def _memrt_available() -> str | None:
 
         mc.init_process_group  # noqa: B018
         return None
-    except Exception as exc:  # a half-landed feature: say so, measure the rest
+    except Exception as exc:  # noqa: BLE001 - memrt is what is measured: its arms fail
         return f"memrt.comm not importable: {exc}"
 
 
@@ -208,7 +209,7 @@ def run_net(net: str, impls: list[str], ops: list[str], sizes: list[int], quick:
         why = _memrt_available()
         for impl in impls:
             if impl.startswith("memrt") and why:
-                skip_line(impl, why)
+                fail_line(impl, why)
                 continue
             print(f"running {impl} on {net} ...", flush=True)
             r = _run_impl(impl, net, cluster, ops, sizes, quick)
@@ -271,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             print_table(["impl", "size (B)", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
                          "bound (us)", "%bound", "vs gloo"], _table(res, op),
                         title=f"{op} | {net} | 4 ranks = 2 nodes x 2 | same run, ratio = gloo time / impl time")
-    write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out})
+    write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out,
+                                               "failed": failures()})
     save_plot(args.out, "collectives_sweep", _plot(out, ops))
-    return 0
+    return exit_code()
 
 
 def argparse_hidden() -> str:

@@ -24,8 +24,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import (base_parser, fmt_ratio, launch_ranks, machine_info, machine_line, print_table,
-                                result_lines, save_plot, skip_line, write_json)
+from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_ratio, launch_ranks, machine_info,
+                                machine_line, print_table, result_lines, save_plot, write_json)
 
 __all__ = ["main"]
 
@@ -90,19 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     with (EmulatedCluster(args.rate) if use_cluster else nullcontext()) as cluster:
         for arm in arms:
             if arm.startswith("memrt") and missing:
-                skipped[arm] = skip_line(arm, missing)["skipped"]
+                fail_line(arm, missing)
                 continue
             print(f"running {arm} ({' '.join(model_args)}) on {net} ...", flush=True)
             try:
                 results[arm] = _run_arm(arm, model_args, cluster, out_dir, timeout_s)
-            except (RuntimeError, TimeoutError) as exc:
-                skipped[arm] = skip_line(arm, f"failed: {exc}")["skipped"]
+            except Exception as exc:  # noqa: BLE001 - a failing arm fails the benchmark
+                fail_line(arm, f"{type(exc).__name__}: {exc}")
                 continue
             write_json(out_dir, "end_to_end.partial", {"machine": info, "network": net, "model_args": model_args,
                                                       "results": results, "skipped": skipped})
             if arm.startswith("memrt") and not results[arm]["memrt_banner"]:
-                print(f"WARNING {arm}: no memrt banner in the ranks' output: memrt did not switch on, "
-                      "this arm measured stock DDP", flush=True)
+                fail_line(arm, "no memrt banner in the ranks' output: memrt did not switch on, "
+                          "this arm measured stock DDP")
     summary = _summarize(results)
     rows = []
     for arm, r in results.items():
@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal {g['goal']}: {g['status']} ({g['value']})")
     write_json(out_dir, "end_to_end", {"machine": info, "quick": args.quick, "network": net,
                                       "model_args": model_args, "results": results, "skipped": skipped,
-                                      "summary": summary, "goals": goals})
+                                      "summary": summary, "goals": goals, "failed": failures()})
     save_plot(out_dir, "end_to_end", _plot(results))
-    return 0
+    return exit_code()
 
 
 def _summarize(results: dict[str, Any]) -> dict[str, Any]:

@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from benchmarks._common import (PeakRss, base_parser, ensure_mmap_threshold, fmt_bytes, fmt_ratio, machine_info,
-                                machine_line, print_table, save_plot, skip_line, write_json)
+from benchmarks._common import (PeakRss, base_parser, ensure_mmap_threshold, exit_code, fail_line, failures, fmt_bytes,
+                                fmt_ratio, machine_info, machine_line, print_table, save_plot, skip_line, write_json)
 from memrt.testing.models import ConvNet, GPT, GPTConfig, gpt_batch, lm_loss
 
 __all__ = ["main"]
@@ -243,7 +243,7 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
 
         auto = memrt.auto
     except (ImportError, AttributeError) as exc:
-        return [], [skip_line("memrt", f"memrt.auto is not available yet ({exc})")]
+        return [], [fail_line("memrt", f"memrt.auto is not available ({exc})")]
     arms, notes = [], []
     todo, tried = list(budgets), set()
     while todo:
@@ -255,11 +255,19 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
         try:
             for _ in range(3):  # step 1 profiles, step 2 runs the plan, step 3's start certifies it
                 _step(w, arm)
-        except Exception as exc:  # BudgetError names the smallest feasible budget: report it, try that one
-            notes.append(skip_line(arm.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
-            least = getattr(exc, "min_feasible_bytes", None)
-            if least and least not in tried and least not in todo:
+        except memrt.BudgetError as exc:
+            least = exc.min_feasible_bytes
+            if least is None or least <= b:  # a feasible budget the measured peak did not keep: a failure
+                notes.append(fail_line(arm.name, f"BudgetError: {str(exc)[:300]}"))
+                continue
+            # below the smallest feasible budget: memrt says so, as documented; measure that budget instead
+            print(f"note {arm.name}: infeasible, smallest feasible {fmt_bytes(least)}; measuring that", flush=True)
+            notes.append({"arm": arm.name, "infeasible": str(exc)[:300]})
+            if least not in tried and least not in todo:
                 todo.append(int(least))
+            continue
+        except Exception as exc:  # noqa: BLE001 - any other error of a memrt arm fails the benchmark
+            notes.append(fail_line(arm.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
             continue
         plan = memrt.plan_of(arm.model)
         if plan is not None:
@@ -274,15 +282,15 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
 
 def _measure(w: Workload, arms: list[Arm], rounds: int) -> list[dict]:
     """Peak then interleaved timing rounds; an arm that raises (e.g. memrt's BudgetError on re-planning)
-    is dropped with a printed reason. Returns those skip records."""
+    is dropped with a printed FAIL, which fails the benchmark. Returns those records."""
     failed: list[dict] = []
 
     def guarded(arm: Arm, fn: Callable[[], None]) -> bool:
         try:
             fn()
             return True
-        except Exception as exc:  # report, never hide
-            failed.append(skip_line(arm.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
+        except Exception as exc:  # noqa: BLE001 - report, never hide: the benchmark fails
+            failed.append(fail_line(arm.name, f"{type(exc).__name__}: {str(exc)[:300]}"))
             arms.remove(arm)
             return False
 
@@ -331,10 +339,11 @@ def run_workload(key: str, w: Workload, args) -> dict[str, Any]:
             _new_arm(w, "every_block", lambda m: _blockwise(w, m, _ckpt_every(1))),
             _new_arm(w, "sequential_sqrt", lambda m: _blockwise(w, m, _ckpt_sequential))]
     base += [_new_arm(w, f"every_k={k}", lambda m, k=k: _blockwise(w, m, _ckpt_every(k))) for k in (2, 3)]
-    skipped.append(skip_line("save_on_cpu", "the device is the host here (CPU): it only copies host memory to "
-                             "host memory; it applies to CUDA (benchmarks/gpu_check.sh)"))
+    skipped.append(skip_line("save_on_cpu", "needs a GPU: on the CPU the device is the host, so it only copies "
+                             "host memory to host memory (benchmarks/gpu_check.sh runs it on CUDA)"))
     if args.quick:
-        skipped.append(skip_line("compile_budget", "--quick: torch.compile takes ~1 min per budget on 2 cores"))
+        print("not run in --quick: compile_budget (torch.compile takes ~1 min per budget on 2 cores)", flush=True)
+        skipped.append({"arm": "compile_budget", "not_run": "--quick"})
     else:
         import torch._functorch.config as fconfig
 
@@ -348,8 +357,8 @@ def run_workload(key: str, w: Workload, args) -> dict[str, Any]:
                         _step(w, arm)
                 arm.note = f"compile+2 steps {time.perf_counter() - t0:.0f} s"
                 base.append(arm)
-            except Exception as exc:
-                skipped.append(skip_line(f"compile_budget={b}", f"torch.compile failed: {type(exc).__name__}: {exc}"))
+            except Exception as exc:  # noqa: BLE001 - a baseline that breaks fails the benchmark too
+                skipped.append(fail_line(f"compile_budget={b}", f"torch.compile failed: {type(exc).__name__}: {exc}"))
     sac, notes = _sac_arms(w, key, args.quick, [0.5, 0.0] if args.quick else [0.75, 0.5, 0.25, 0.0])
     base += sac
     skipped += notes
@@ -428,16 +437,17 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(info), flush=True)
     wls = _workloads(args.quick)
     results = {k: run_workload(k, wls[k], args) for k in args.workloads.split(",")}
-    write_json(args.out, "memory_frontier", {"machine": info, "quick": args.quick, "results": results})
+    write_json(args.out, "memory_frontier", {"machine": info, "quick": args.quick, "results": results,
+                                             "failed": failures()})
     save_plot(args.out, "memory_frontier", _plot(results))
     for k, r in results.items():
         if r["memrt_dominates"] is None:
-            print(f"{k}: memrt points dominate: n/a (memrt arm skipped)")
+            print(f"{k}: memrt points dominate: n/a (no memrt arm measured)")
             continue
         print(f"{k}: memrt points dominate every baseline point (<= {1 + TOLERANCE:.2f}x peak and time): "
               f"{r['memrt_dominates']}; every eager baseline (torch.compile arms aside): "
               f"{r['memrt_dominates_eager']}; not covered: {', '.join(r['not_covered']) or 'none'}")
-    return 0
+    return exit_code()
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
     if sweep and multi:
         rows = []
         for n in sweep:
-            x = torch.randn(max(1, n // 4))
+            x = torch.randn(max(1, n // 4), generator=torch.Generator().manual_seed(n))
             # the two take turns call by call, so drift on a shared machine hits both alike
             samples: dict[str, list[float]] = {"flat": [], "hier": []}
             for i in range(1 + reps_for(n)):
@@ -117,7 +117,8 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         out["sweep"] = rows
     if fusion:
         _use("auto")
-        ts = [torch.randn(4096) for _ in range(256)]  # 256 tensors of 16 KiB
+        gen = torch.Generator().manual_seed(topo.rank)
+        ts = [torch.randn(4096, generator=gen) for _ in range(256)]  # 256 tensors of 16 KiB
         out["fusion"] = {
             "separate_gloo": timed(lambda: [tdist.all_reduce(t) for t in ts], reps),
             "all_reduce_coalesced": timed(lambda: dist.all_reduce_coalesced(ts), reps),

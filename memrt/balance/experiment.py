@@ -61,11 +61,12 @@ def make_model(spec: Spec):
     import torch
     from torch import nn
 
-    torch.manual_seed(spec.seed)
-    layers: list[nn.Module] = [nn.Linear(spec.in_features, spec.width), nn.ReLU()]
-    for _ in range(spec.depth - 1):
-        layers += [nn.Linear(spec.width, spec.width), nn.ReLU()]
-    layers.append(nn.Linear(spec.width, spec.n_classes))
+    with torch.random.fork_rng(devices=[]):  # seeded CPU init; the caller's generators do not move
+        torch.default_generator.manual_seed(spec.seed)
+        layers: list[nn.Module] = [nn.Linear(spec.in_features, spec.width), nn.ReLU()]
+        for _ in range(spec.depth - 1):
+            layers += [nn.Linear(spec.width, spec.width), nn.ReLU()]
+        layers.append(nn.Linear(spec.width, spec.n_classes))
     return nn.Sequential(*layers)
 
 

@@ -56,7 +56,8 @@ def run_on_cluster(argv: Sequence[str], *, cluster: EmulatedCluster | None = Non
     if len(per_node) != 2 or min(per_node) < 1:
         raise ValueError(f"ranks_per_node={ranks_per_node!r} is not valid: expected a count >= 1 or two of them")
     world = sum(per_node)
-    port = random.randint(20000, 40000)  # fresh namespaces: nothing else listens there
+    # fresh namespaces: nothing else listens there; OS entropy leaves the user's `random` untouched
+    port = random.SystemRandom().randint(20000, 40000)
     procs: list[tuple[int, int, subprocess.Popen, Path, Path]] = []
     tmp = tempfile.TemporaryDirectory(prefix="memrt-cluster-")
     try:

@@ -195,11 +195,14 @@ def _offload(ctx: ApplyContext, action: str) -> ActionHandler:
     tier = action.split("offload_", 1)[1]
 
     def handler(i: int, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        from memrt.memory.offload.wrap import notify_before_backward, recompute_offload
+        from memrt.memory.offload.wrap import notify_before_backward
 
         engine = ctx.engine(tier)
         if recompute:
-            return recompute_offload(fn, engine, i, *args, module=module, **kwargs)
+            with engine.packing(i) as store:
+                out = run_recomputed(fn, args, kwargs, module=module, name=name, store=store)
+            notify_before_backward(out, engine, i)
+            return out
         with engine.pack_hooks(i):
             out = fn(*args, **kwargs)
         notify_before_backward(out, engine, i)

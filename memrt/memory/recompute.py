@@ -6,17 +6,37 @@ again with the RNG state (CPU and the unit's CUDA device), autocast state and gr
 call, collecting the tensors to save in the same order. Buffers that the original forward mutated in
 place (BatchNorm running statistics) are restored after the recomputation, so they change exactly once.
 A recomputed tensor is released as soon as autograd releases its handle.
+
+Arguments that are objects rather than tensors or plain values (a key/value cache, a config) may be
+changed by the forward (a cache appends this layer's keys): the replay gets a copy of each as it was
+at the original call (tensors inside shared, not copied), and its changes to that copy are dropped.
+Every saved tensor's shape and dtype are checked against the original's, so a replay that computes
+something else fails with :class:`RecomputeError` instead of handing backward wrong tensors.
+
+With an :class:`InputStore` (the offload engine's), the unit's tensor inputs are handed to the store
+too (to disk or host memory) and loaded back for the recomputation. The autograd graph is the one
+stock PyTorch builds in every case: only what is saved changes, never the nodes or the order in which
+gradients are summed, so gradients are bitwise those of a run without memrt.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+import copy
+import enum
+import logging
+from typing import Any, Callable, Protocol
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["RecomputeError", "RecomputeHooks", "run_recomputed"]
+__all__ = ["InputStore", "RecomputeError", "RecomputeHooks", "run_recomputed"]
+
+logger = logging.getLogger(__name__)
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum, type)
 
 
 class RecomputeError(RuntimeError):
@@ -29,6 +49,61 @@ class RecomputeHooks:
     def on_pack(self, t: torch.Tensor) -> None: ...
     def on_begin(self) -> None: ...
     def on_end(self) -> None: ...
+
+
+class InputStore(Protocol):
+    """Where a recomputed unit's inputs wait for backward: ``pack`` returns the tensor itself (kept) or
+    a handle; ``unpack`` returns the tensor for a handle (and anything else unchanged)."""
+
+    def pack(self, t: torch.Tensor) -> Any: ...
+    def unpack(self, obj: Any) -> torch.Tensor: ...
+
+
+class _Stored:
+    __slots__ = ("obj", "requires_grad")
+
+    def __init__(self, obj: Any, requires_grad: bool) -> None:
+        self.obj, self.requires_grad = obj, requires_grad
+
+
+class _Snapshot:
+    """An object argument as it was at the original call (tensors inside are shared)."""
+
+    __slots__ = ("obj", "memo")
+
+    def __init__(self, obj: Any, memo: dict[int, Any]) -> None:
+        self.obj, self.memo = obj, memo
+
+    def copy(self) -> Any:
+        return _share_copy(self.obj, self.memo)
+
+
+class _ShareTensors(TorchFunctionMode):
+    """Inside: ``copy.deepcopy`` returns every tensor itself (the object around it is copied)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__deepcopy__:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _share_copy(obj: Any, memo: dict[int, Any]) -> Any:
+    with _ShareTensors():
+        return copy.deepcopy(obj, dict(memo))
+
+
+def _snapshot(obj: Any, module: torch.nn.Module, name: str) -> Any:
+    """``obj`` itself when it is a plain value or a callable, else a :class:`_Snapshot` of it."""
+    if isinstance(obj, _PLAIN) or callable(obj) or isinstance(obj, torch.nn.Module):
+        return obj
+    memo: dict[int, Any] = {id(m): m for m in module.modules()}
+    memo.update((id(p), p) for p in module.parameters())
+    try:
+        return _Snapshot(_share_copy(obj, memo), memo)
+    except Exception as exc:  # noqa: BLE001 - an object deepcopy cannot copy is used as it is
+        logger.debug("unit %s: argument of type %s cannot be copied (%s); the replay uses it as it is then",
+                     name, type(obj).__name__, exc)
+        return obj
 
 
 class _Handle:
@@ -50,39 +125,72 @@ def _autocast_state(device_types: tuple[str, ...]) -> list[tuple[str, bool, torc
 
 
 class _Frame:
-    __slots__ = ("fn", "args", "kwargs", "module", "name", "cpu_rng", "cuda_rng", "cuda_device", "autocast",
-                 "cache_enabled", "mutated", "stash", "alive", "n_packed", "hooks")
+    __slots__ = ("fn", "flat", "spec", "store", "module", "name", "cpu_rng", "cuda_rng", "cuda_device", "autocast",
+                 "cache_enabled", "mutated", "stash", "alive", "shapes", "hooks")
 
-    def __init__(self, fn, args, kwargs, module, name, hooks):
-        self.fn, self.args, self.kwargs, self.module, self.name, self.hooks = fn, args, kwargs, module, name, hooks
+    def __init__(self, fn, args, kwargs, module, name, hooks, store):
+        self.fn, self.module, self.name, self.hooks, self.store = fn, module, name, hooks, store
+        flat, self.spec = tree_flatten((args, kwargs))
         self.cpu_rng = torch.get_rng_state()
         self.cuda_device = None
         self.cuda_rng = None
-        for t in tree_flatten((args, kwargs))[0]:
+        for t in flat:
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 self.cuda_device = t.device
                 self.cuda_rng = torch.cuda.get_rng_state(t.device)
                 break
+        out = []
+        for v in flat:
+            if isinstance(v, torch.Tensor):
+                if store is not None:
+                    v = _Stored(store.pack(v), v.requires_grad)
+            else:
+                v = _snapshot(v, module, name)
+            out.append(v)
+        self.flat = out
         types = ("cpu", "cuda") if self.cuda_device is not None else ("cpu",)
         self.autocast = _autocast_state(types)
         self.cache_enabled = torch.is_autocast_cache_enabled()
         self.mutated: list[torch.Tensor] = []
         self.stash: dict[int, torch.Tensor] = {}
         self.alive: set[int] = set()
-        self.n_packed = 0
+        self.shapes: list[tuple[torch.Size, torch.dtype]] = []
+
+    def inputs(self) -> tuple[tuple, dict]:
+        """The call's (args, kwargs) for a replay: tensors as given (or loaded back from the store, with
+        the same requires_grad), object arguments as they were at the call."""
+        flat = []
+        for v in self.flat:
+            if isinstance(v, _Stored):
+                t = self.store.unpack(v.obj)
+                if t is not v.obj:  # a loaded copy: a fresh leaf, as the saved tensors of a graph are
+                    t = t.detach().requires_grad_(v.requires_grad)
+                v = t
+            elif isinstance(v, _Snapshot):
+                v = v.copy()
+            flat.append(v)
+        return tree_unflatten(flat, self.spec)
 
     def recompute(self) -> None:
         stash: list[torch.Tensor | None] = []
-        alive = self.alive
+        alive, shapes = self.alive, self.shapes
 
         def pack(x: torch.Tensor) -> None:
-            stash.append(x.detach() if len(stash) in alive else None)
+            i = len(stash)
+            if i < len(shapes) and (x.shape, x.dtype) != shapes[i]:
+                raise RecomputeError(
+                    f"memrt: recomputing unit {self.name!r} saved a {tuple(x.shape)} {x.dtype} tensor where the "
+                    f"original forward saved a {tuple(shapes[i][0])} {shapes[i][1]} one: the replay computed "
+                    f"something else (the forward reads state that changed since, e.g. an argument it mutates). "
+                    f"Exclude this unit (memrt.auto(..., units=[...])) or use budget=None.")
+            stash.append(x.detach() if i in alive else None)
 
         def unpack(_: Any) -> torch.Tensor:
             raise RuntimeError("memrt: tensors saved during a recomputation are never unpacked")
 
         if self.hooks is not None:
             self.hooks.on_begin()
+        args, kwargs = self.inputs()
         saved_bufs = [(b, b.detach().clone()) for b in self.mutated]
         cur_cpu = torch.get_rng_state()
         cur_cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
@@ -96,7 +204,7 @@ class _Frame:
                                                        cache_enabled=self.cache_enabled))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-                self.fn(*self.args, **self.kwargs)
+                self.fn(*args, **kwargs)
         finally:
             torch.set_rng_state(cur_cpu)
             if cur_cuda is not None:
@@ -104,11 +212,11 @@ class _Frame:
             with torch.no_grad():
                 for b, v in saved_bufs:
                     b.copy_(v)
-            del saved_bufs
-        if len(stash) != self.n_packed:
+            del saved_bufs, args, kwargs
+        if len(stash) != len(shapes):
             raise RecomputeError(
                 f"memrt: recomputing unit {self.name!r} saved {len(stash)} tensors, the original forward saved "
-                f"{self.n_packed}; its forward is not deterministic in structure. Exclude it from recompute "
+                f"{len(shapes)}; its forward is not deterministic in structure. Exclude it from recompute "
                 f"(memrt.auto(..., units=[...]) with other unit classes) or use budget=None.")
         self.stash = {i: t for i, t in enumerate(stash) if t is not None}
         if self.hooks is not None:
@@ -116,18 +224,19 @@ class _Frame:
 
 
 def run_recomputed(fn: Callable[..., Any], args: tuple, kwargs: dict, *, module: torch.nn.Module,
-                   name: str = "", hooks: RecomputeHooks | None = None) -> Any:
-    """Call ``fn(*args, **kwargs)`` keeping only its inputs; backward recomputes what it needs."""
+                   name: str = "", hooks: RecomputeHooks | None = None, store: InputStore | None = None) -> Any:
+    """Call ``fn(*args, **kwargs)`` keeping only its inputs (in ``store`` when given); backward recomputes
+    what it needs."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, module, name, hooks)
+    frame = _Frame(fn, args, kwargs, module, name, hooks, store)
     on_pack = hooks.on_pack if hooks is not None else None
 
     def pack(x: torch.Tensor) -> _Handle:
         if on_pack is not None:
             on_pack(x)
-        h = _Handle(frame, frame.n_packed)
-        frame.n_packed += 1
+        h = _Handle(frame, len(frame.shapes))
+        frame.shapes.append((x.shape, x.dtype))
         return h
 
     def unpack(h: _Handle) -> torch.Tensor:

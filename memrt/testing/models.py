@@ -4,6 +4,8 @@
 - :class:`ConvNet`: a CNN with BatchNorm (forward mutates running stats).
 - :class:`KwargsMLP`: blocks called with keyword arguments and returning tuples.
 - :class:`SharedBlockNet`: one submodule used at two places in the forward.
+- :class:`LongSkipMLP`: a U-Net-like MLP whose encoder outputs are consumed again by the decoder units
+  (gradients from several units summed at one tensor), dropout in the encoder.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "GPTConfig", "ConvNet", "KwargsMLP", "SharedBlockNet", "gpt_batch", "lm_loss"]
+__all__ = ["GPT", "GPTConfig", "ConvNet", "KwargsMLP", "LongSkipMLP", "SharedBlockNet", "gpt_batch", "lm_loss"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,4 +179,42 @@ class SharedBlockNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.shared(x)
+        return self.out(x).squeeze(-1)
+
+
+class EncoderUnit(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(F.gelu(self.fc(x)))
+
+
+class DecoderUnit(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.fc(torch.cat([x, skip], dim=-1)))
+
+
+class LongSkipMLP(nn.Module):
+    """Encoder units whose outputs feed the next encoder unit and, later, the mirrored decoder unit."""
+
+    def __init__(self, width: int = 64, depth: int = 6, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList(EncoderUnit(width, dropout) for _ in range(depth))
+        self.dec = nn.ModuleList(DecoderUnit(width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for unit in self.enc:
+            x = unit(x)
+            skips.append(x)
+        for unit in self.dec:
+            x = unit(x, skips.pop())
         return self.out(x).squeeze(-1)

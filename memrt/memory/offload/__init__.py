@@ -1,6 +1,7 @@
 """Offload engine: saved activations to host memory (CUDA) or disk (any device), prefetched for backward.
 
-- :class:`OffloadEngine` — ``pack_hooks(i)``, ``before_backward(i)``, ``stats()``, ``close()``.
+- :class:`OffloadEngine` — ``pack_hooks(i)``, ``packing(i)`` (a store for a recomputed unit's inputs),
+  ``before_backward(i)``, ``stats()``, ``close()``.
 - :func:`offload_options` — per-unit offload choices (and costs) for the planner.
 - :func:`probe_bandwidths` / :func:`load_bandwidths` — measured copy and disk speeds, cached.
 - :func:`offload_units` — the lower-level path: offload (or recompute + offload inputs) given modules.

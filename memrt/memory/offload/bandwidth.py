@@ -80,7 +80,9 @@ def _fs_key(directory: Path) -> str:
 def _probe_disk(directory: str | None, nbytes: int) -> tuple[float, float, str]:
     folder = cleanup.make_private_dir(directory)
     try:
-        buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        # incompressible bytes from a private generator: the user's RNG streams stay untouched
+        gen = torch.Generator().manual_seed(0x6D656D)
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
         view = memoryview(buf.numpy()).cast("B")
         out = torch.empty_like(buf)
         oview = memoryview(out.numpy()).cast("B")

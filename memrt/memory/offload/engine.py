@@ -74,6 +74,21 @@ class _Group:
         self.live = 0
 
 
+class _Store:
+    """Packs tensors into one group of the engine (see :meth:`OffloadEngine.packing`)."""
+
+    __slots__ = ("engine", "group")
+
+    def __init__(self, engine: "OffloadEngine", group: _Group) -> None:
+        self.engine, self.group = engine, group
+
+    def pack(self, t: torch.Tensor):
+        return self.engine._pack(t, self.group)
+
+    def unpack(self, obj) -> torch.Tensor:
+        return self.engine._unpack(obj)
+
+
 class _Handle:
     """What autograd keeps instead of the tensor: entry + view geometry."""
 
@@ -196,13 +211,20 @@ class OffloadEngine:
     @contextlib.contextmanager
     def pack_hooks(self, unit_index: int) -> Iterator[None]:
         """Offload what autograd saves during this block (the forward of unit ``unit_index``)."""
+        with self.packing(unit_index) as store:
+            with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
+                yield
+
+    @contextlib.contextmanager
+    def packing(self, unit_index: int) -> Iterator["_Store"]:
+        """A store for tensors of unit ``unit_index`` (``pack(t)`` -> handle or ``t``, ``unpack(handle)``),
+        e.g. the inputs of a recomputed unit (:func:`memrt.memory.recompute.run_recomputed`)."""
         self._check_open()
         group = _Group(int(unit_index))
         with self._lock:
             self._order.append(group)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, group), self._unpack):
-                yield
+            yield _Store(self, group)
         finally:
             with self._lock:
                 if group.file is not None:

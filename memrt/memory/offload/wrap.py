@@ -5,11 +5,12 @@ pieces through its action registry). Per unit it either offloads everything the 
 saves (``offload_<tier>``), or recomputes the unit in backward and offloads only its inputs
 (``recompute+offload_<tier>``), which is how memrt goes below "checkpoint every block".
 
-``recompute_offload`` is a reentrant-style checkpoint: the forward runs without a graph, the unit's
-tensor inputs are saved through the engine's hooks (so they go to the tier), and backward loads them,
-replays the forward with the saved RNG state (dropout is bitwise identical) and autocast state, and
-backpropagates through it. Buffers the unit changes in forward (BatchNorm running stats) are restored
-after the replay so a recomputed step updates them exactly once.
+``recompute_offload`` is memrt's non-reentrant recomputation (:mod:`memrt.memory.recompute`) with the
+unit's tensor inputs handed to the engine: the forward builds stock PyTorch's graph, every tensor it
+saves is dropped, the inputs go to the tier; the first use in backward loads the inputs and replays the
+forward with the saved RNG (dropout bitwise identical) and autocast state. The graph's nodes and the
+order in which gradients are summed stay those of stock PyTorch, so gradients are bitwise equal.
+Buffers the unit changes in forward (BatchNorm running stats) are restored after the replay.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from memrt.memory.offload.engine import OffloadEngine, OffloadStats
 
@@ -29,102 +30,21 @@ __all__ = ["OffloadHandle", "offload_units", "recompute_offload", "install_unit"
 logger = logging.getLogger(__name__)
 
 
-class _Box:
-    """Non-tensor state of one recompute_offload call."""
-
-    __slots__ = ("fn", "spec", "slots", "consts", "out_spec", "out_slots", "out_consts", "rng_cpu",
-                 "rng_cuda", "cuda_device", "autocast", "module")
-
-
-class _RecomputeOffload(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, box: _Box, anchor: torch.Tensor, *tensors: torch.Tensor):
-        ctx.box = box
-        box.rng_cpu = torch.get_rng_state()
-        if box.cuda_device is not None:
-            box.rng_cuda = torch.cuda.get_rng_state(box.cuda_device)
-        args, kwargs = _rebuild(box, tensors)
-        with torch.no_grad():
-            out = box.fn(*args, **kwargs)
-        flat, box.out_spec = tree_flatten(out)
-        box.out_slots = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-        box.out_consts = [None if isinstance(v, torch.Tensor) else v for v in flat]
-        ctx.save_for_backward(*tensors)
-        outs = tuple(flat[i] for i in box.out_slots)
-        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        box = ctx.box
-        saved = ctx.saved_tensors  # loads the inputs back from the tier
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
-        snapshot = [(b, b.clone()) for b in box.module.buffers()] if box.module is not None else []
-        devices = [box.cuda_device] if box.cuda_device is not None else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(box.rng_cpu)
-            if box.cuda_device is not None:
-                torch.cuda.set_rng_state(box.rng_cuda, box.cuda_device)
-            args, kwargs = _rebuild(box, inputs)
-            with torch.enable_grad(), _autocast(box.autocast):
-                out = box.fn(*args, **kwargs)
-        with torch.no_grad():
-            for b, value in snapshot:
-                b.data.copy_(value)  # .data: no version bump (autograd saved these buffers)
-        flat, _ = tree_flatten(out)
-        outs = [flat[i] for i in box.out_slots]
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *[t.grad if need else None for t, need in zip(inputs, ctx.needs_input_grad[2:])])
-
-
-def _rebuild(box: _Box, tensors) -> tuple[tuple, dict]:
-    flat = list(box.consts)
-    for slot, t in zip(box.slots, tensors):
-        flat[slot] = t
-    return tree_unflatten(flat, box.spec)
-
-
-def _autocast(state):
-    import contextlib
-
-    if state is None:
-        return contextlib.nullcontext()
-    device_type, dtype = state
-    return torch.autocast(device_type, dtype=dtype)
-
-
 def recompute_offload(fn: Callable[..., Any], engine: OffloadEngine, unit_index: int, *args: Any,
                       module: nn.Module | None = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` without keeping its activations: recomputed in backward, inputs offloaded.
 
     ``module`` (the unit) has its buffers restored after the replay. Outputs may be any pytree.
     """
-    flat, spec = tree_flatten((args, kwargs))
-    box = _Box()
-    box.fn = fn
-    box.spec = spec
-    box.slots = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-    box.consts = [None if isinstance(v, torch.Tensor) else v for v in flat]
-    box.module = module
-    tensors = [flat[i] for i in box.slots]
-    device = next((t.device for t in tensors if t.device.type == "cuda"), None)
-    box.cuda_device = device
-    box.rng_cuda = None
-    box.autocast = None
-    for dt in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(dt):
-            box.autocast = (dt, torch.get_autocast_dtype(dt))
-    with engine.pack_hooks(unit_index):
-        # anchor: a grad-requiring input so the outputs get a graph even when no input needs grad
-        # (the unit's parameters do), as with the first block fed by data
-        anchor = torch.empty(0, requires_grad=True)
-        outs = _RecomputeOffload.apply(box, anchor, *tensors)
-    flat_out = list(box.out_consts)
-    for slot, t in zip(box.out_slots, outs):
-        flat_out[slot] = t
-    return tree_unflatten(flat_out, box.out_spec)
+    from memrt.memory.recompute import run_recomputed
+
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    with engine.packing(unit_index) as store:
+        out = run_recomputed(fn, args, kwargs, module=module if module is not None else nn.Module(),
+                             name=f"unit {unit_index}", store=store)
+    notify_before_backward(out, engine, unit_index)
+    return out
 
 
 def notify_before_backward(out: Any, engine: OffloadEngine, unit_index: int) -> None:
@@ -150,7 +70,7 @@ def install_unit(module: nn.Module, engine: OffloadEngine, unit_index: int, *, r
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if recompute:
-            out = recompute_offload(original, engine, unit_index, *args, module=module, **kwargs)
+            return recompute_offload(original, engine, unit_index, *args, module=module, **kwargs)
         else:
             with engine.pack_hooks(unit_index):
                 out = original(*args, **kwargs)
