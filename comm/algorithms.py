@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from memrt.comm.streams import bound
 from memrt.comm.tiers import DONE, HierGroups, Tier, combine_, op_name, torch_groups
 from memrt.comm.topology import Topology
 
@@ -186,7 +187,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
             if plug is None:
                 works.append(tier.all_reduce(view, opn))
             else:
-                works.append(_FutureWait(_plug_executor().submit(plug, view, tier.handle), view))
+                fn = bound(plug, view.device if view.is_cuda else None)  # the plug thread: same device and stream
+                works.append(_FutureWait(_plug_executor().submit(fn, view, tier.handle), view))
         ar[c] = works
 
     def finish_ar_start_ag(c: int) -> None:

@@ -23,13 +23,14 @@ import torch.distributed as tdist
 
 from memrt.agreement import check_or_exit as check_settings_agree
 from memrt.comm import algorithms as alg
+from memrt.comm import streams
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
 from memrt.comm.tiers import HierGroups, clear_group_cache, op_name, torch_groups
 from memrt.comm.topology import Topology, discover
 
 __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup_topology", "all_reduce",
            "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-           "reduce_scatter_single", "MemrtWork", "AUTO_MIN_BYTES", "set_checks"]
+           "reduce_scatter_single", "MemrtWork", "AUTO_MIN_BYTES", "set_checks", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class _State:
     checks: bool = False
     executor: cf.ThreadPoolExecutor | None = None
     warned: set = field(default_factory=set)
+    deferred: dict | None = None
+    """set_up's arguments while discovery waits for the first memrt collective (NCCL: after set_device)."""
 
 
 _st = _State()
@@ -63,7 +66,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     With no arguments it works under torchrun, mpiexec/mpirun (rendezvous over mpi4py when
     MASTER_ADDR is unset) and srun. ``backend="mpi"`` without torch's own MPI build runs memrt's MPI
     backend (mpi4py) for CPU collectives, over a gloo group for everything else.
-    ``intra_backend="mpi"`` uses MPI for the intra-node tier only.
+    ``intra_backend="mpi"`` uses MPI for the intra-node tier only. On NCCL, discovery (an object
+    collective on a CUDA device) waits for the first memrt collective or :func:`prepare`, i.e. after the
+    script's ``torch.cuda.set_device``; elsewhere it runs here.
     """
     from memrt.config import environ
     from memrt.launcher import discover_launch, mpi_rendezvous
@@ -89,6 +94,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                              world_size=world_size, rank=rank, store=store, group_name=group_name,
                              pg_options=pg_options, device_id=device_id)
     check_settings_agree()  # before the first collective: ranks with different MEMRT_* settings exit 2
+    if streams.is_nccl() and not mpi_job:
+        _st.deferred = dict(mpi_job=mpi_job, intra_backend=intra_backend, health=health, device_id=device_id)
+        return
     setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health)
 
 
@@ -124,10 +132,22 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
-def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, health: bool = True) -> Topology:
-    """Discover the topology and create the groups (collective; init_process_group calls it)."""
+def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, health: bool = True,
+                   device: Any = None, device_id: Any = None) -> Topology:
+    """Discover the topology, create the groups and warm them (collective; init_process_group calls it).
+
+    On NCCL every set-up collective runs on :func:`memrt.comm.streams.setup_device` (``device``, a
+    collective's tensor device, first): never on cuda:0 of every rank.
+    """
+    dev = streams.setup_device(device, device_id=device_id)
+    with streams.on_device(dev):
+        return _setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health, device=dev)
+
+
+def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool, device: Any) -> Topology:
     from memrt.config import load_config
 
+    _st.deferred = None
     _st.config = load_config(warn_unknown=False)
     topo = discover()
     _st.topology = topo
@@ -138,6 +158,8 @@ def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, h
             _st.groups = mixed_groups(topo)
         else:
             _st.groups = torch_groups(topo)
+        # every communicator created now, once, in one order on every rank (not lazily mid-backward)
+        streams.warm_groups(_st.groups, device)
     if mpi_job:
         from memrt.comm.mpi_backend import MPIBackend
 
@@ -176,17 +198,25 @@ def destroy_process_group(group: Any = None) -> None:
 
 
 def get_topology() -> Topology:
-    """This job's :class:`Topology` (discovered at init; collective the first time if init was torch's own)."""
+    """This job's :class:`Topology` (discovered at init; collective the first time if init was torch's own
+    or the backend is NCCL)."""
     _ensure()
     return _st.topology
 
 
-def _ensure() -> None:
+def prepare(device: Any = None) -> Topology:
+    """Discovery, groups and their warm-up now, on ``device`` (collective; e.g. before DDP's first backward:
+    a comm hook's first call then creates no communicator mid-backward). Idempotent."""
+    _ensure(device)
+    return _st.topology
+
+
+def _ensure(device: Any = None) -> None:
     if _st.topology is None:
         if not tdist.is_initialized():
             raise RuntimeError("memrt.comm: the default process group is not initialized: call "
                                "memrt.comm.init_process_group() first")
-        setup_topology()
+        setup_topology(device=device, **(_st.deferred or {}))
 
 
 # ---------------------------------------------------------------- work objects
@@ -341,14 +371,15 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
          async_op: bool, outputs: list[torch.Tensor]) -> MemrtWork | None:
     start = time.perf_counter()
     tier = tier_bytes(name, algorithm, nbytes, _st.topology)
+    sub = streams.DeviceSubmission(t)  # CUDA: the worker's device and stream; done = the GPU work is done
 
     def job() -> None:
         try:
             if _st.health is not None:
                 with _st.health.inside(name):
-                    fn()
+                    sub.run(fn)
             else:
-                fn()
+                sub.run(fn)
         except Exception as exc:  # noqa: BLE001
             _raise_diagnosed(name, exc)
         _record(name, t, nbytes, algorithm, start, tier, predicted)
@@ -364,7 +395,14 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
                 predicted: float | None = None) -> Any:
     start = time.perf_counter()
     tier = tier_bytes(name, "flat", nbytes, _st.topology)
-    finish = lambda: _record(name, t, nbytes, "flat", start, tier, predicted)  # noqa: E731
+    timer = _CudaTimer(t) if t.is_cuda else None  # CUDA: seconds and the watchdog follow completion
+
+    def finish() -> None:
+        if timer is None:
+            _record(name, t, nbytes, "flat", start, tier, predicted)
+        else:
+            timer.finish(name, t, nbytes, start, tier, predicted)
+
     try:
         with (_st.health.inside(name) if _st.health is not None else _null()):
             work = call()
@@ -374,6 +412,29 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
         return _RecordedWork(work, finish, name)
     finish()
     return None
+
+
+class _CudaTimer:
+    """CUDA events around a flat torch collective: the record's seconds run to completion (read later, no
+    host wait) and the hang watchdog watches the end event rather than the enqueue."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device = t.device
+        self.start_ev = torch.cuda.Event(enable_timing=True)
+        self.start_ev.record(torch.cuda.current_stream(self.device))
+
+    def finish(self, name: str, t: torch.Tensor, nbytes: int, start: float, tier: dict[str, int],
+               predicted: float | None) -> None:
+        from memrt.profiling.recorder import CommRecord, get_recorder
+
+        end_ev = torch.cuda.Event(enable_timing=True)
+        end_ev.record(torch.cuda.current_stream(self.device))  # after the call (or wait): joined the comm stream
+        if _st.health is not None and hasattr(_st.health, "track"):
+            _st.health.track(name, end_ev)
+        get_recorder().record_comm_pending(CommRecord(
+            op=name, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes), group_size=_world(),
+            algorithm="flat", seconds=0.0, tier_bytes=tier, predicted_seconds=predicted, start=start),
+            self.start_ev, end_ev)
 
 
 class _null:
@@ -402,7 +463,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
                 codec: str | None = None):
     if not _mine(group):
         return tdist.all_reduce(tensor, op, group, async_op)
-    _ensure()
+    _ensure(tensor.device)
     try:
         opn = op_name(op)
     except ValueError:  # PREMUL_SUM, BAND, ...: torch's
@@ -446,7 +507,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     """torch.distributed.broadcast; across nodes once then inside each node when that pays."""
     if not _mine(group) or group_src is not None or src is None:
         return tdist.broadcast(tensor, src, group, async_op, group_src=group_src)
-    _ensure()
+    _ensure(tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
     if _st.checks:
         check_signatures("broadcast", tensor, _st.check_group, extra=src)
@@ -468,7 +529,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     flat_fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
     if not _mine(group):
         return flat_fn(output_tensor, input_tensor, group, async_op)
-    _ensure()
+    _ensure(input_tensor.device)
     nbytes = input_tensor.numel() * input_tensor.element_size()
     if _st.checks:
         check_signatures("all_gather", input_tensor, _st.check_group)
@@ -491,7 +552,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     """torch.distributed.all_gather; equal-shape lists take the hierarchical path when it pays."""
     if not _mine(group) or any(t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list):
         return tdist.all_gather(tensor_list, tensor, group, async_op)
-    _ensure()
+    _ensure(tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
     algorithm, _ = _decide("all_gather", nbytes, tensor.dtype)
     if algorithm != "hier" or _st.mpi is not None:
@@ -515,7 +576,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     flat_fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
     if not _mine(group):
         return flat_fn(output, input, op, group, async_op)
-    _ensure()
+    _ensure(input.device)
     opn = op_name(op)
     alg.check_reducible(input, opn)
     nbytes = input.numel() * input.element_size()

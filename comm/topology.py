@@ -1,6 +1,7 @@
 """The cluster's shape: which ranks share a node, what device each rank has, how the tiers are linked.
 
-Discovery (:func:`discover`) runs once after ``init_process_group``: one ``all_gather_object`` of each
+Discovery (:func:`discover`) runs once after ``init_process_group`` (on NCCL at the first memrt collective, on
+that collective's device: see :mod:`memrt.comm.streams`): one ``all_gather_object`` of each
 rank's host identity (host name + network namespace, so namespaces of an emulated cluster count as
 nodes), device kind and memory, and launcher local rank. Nodes may hold different numbers of ranks.
 ``MEMRT_TOPOLOGY="0,1;2,3"`` overrides the grouping (emulation, tests).
