@@ -293,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     env = run.add(_timed(environment(), t))
     cuda = run.add(cuda_row(env, args.dry_run))
-    if env.status == "FAIL" or (cuda.status == "FAIL"):
-        for name, _, _ in STEPS:
-            run.add(Row(name=name, status="SKIP", reason=f"not run: {cuda.reason if env.status != 'FAIL' else env.reason}"))
+    if env.status == "FAIL" or cuda.status == "FAIL":
+        why = f"not run: {cuda.reason if env.status != 'FAIL' else env.reason}"
+        for name in ["install"] + [n for n, _, _ in STEPS]:
+            run.add(Row(name=name, status="SKIP", reason=why))
         return 1
     t = time.monotonic()
     inst = run.add(_timed(install(sys.executable, dry_run=args.dry_run, timeout_s=min(60.0, run.left() - 5),

@@ -50,6 +50,8 @@ class _State:
     executor: cf.ThreadPoolExecutor | None = None
     warned: set = field(default_factory=set)
     deferred: dict | None = None
+    warmed: list = field(default_factory=list)
+    """Member ranks of each group warmed at set-up, in order."""
     """set_up's arguments while discovery waits for the first memrt collective (NCCL: after set_device)."""
 
 
@@ -159,7 +161,7 @@ def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool, d
         else:
             _st.groups = torch_groups(topo)
         # every communicator created now, once, in one order on every rank (not lazily mid-backward)
-        streams.warm_groups(_st.groups, device)
+        _st.warmed = streams.warm_groups(_st.groups, device)
     if mpi_job:
         from memrt.comm.mpi_backend import MPIBackend
 

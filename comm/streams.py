@@ -156,26 +156,24 @@ def ordered_tiers(groups: Any) -> list[Any]:
     return out
 
 
-def warm_groups(groups: Any, device: torch.device | None, *, log: list | None = None) -> int:
+def warm_groups(groups: Any, device: torch.device | None) -> list[tuple[int, ...]]:
     """One small all-reduce per group this rank belongs to, one at a time, in the global creation order.
 
     Every rank walks the same total order and waits for each group before the next, so communicator
-    creation cannot deadlock. ``log`` (tests) receives the member ranks of each group warmed. Returns the
-    number of groups warmed.
+    creation cannot deadlock. Returns the member ranks of each group warmed, in order.
     """
     if groups is None:
-        return 0
+        return []
     dev = device if device is not None and device.type == "cuda" else torch.device("cpu")
-    n = 0
+    warmed = []
     with on_device(device):
         for tier in ordered_tiers(groups):
             x = torch.zeros(1, device=dev)
             work = tier.all_reduce(x, "SUM")
-            work.wait()
+            if work is not None:
+                work.wait()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            if log is not None:
-                log.append(tuple(getattr(tier, "ranks", ())))
-            n += 1
-    logger.debug("warmed %d memrt.comm groups on %s", n, dev)
-    return n
+            warmed.append(tuple(getattr(tier, "ranks", ())))
+    logger.debug("warmed %d memrt.comm groups on %s", len(warmed), dev)
+    return warmed

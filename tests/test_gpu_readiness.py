@@ -1,0 +1,248 @@
+"""CUDA / NCCL paths checked on CPU with fakes: the device memrt.comm's set-up and probe use, when discovery
+runs, the order groups are warmed in, when a worker's collective counts as complete, the balance hook's
+staging wait, and the offload engine's held-bytes total. What needs a GPU is a row of benchmarks/gpu_check.sh."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from memrt.comm import streams
+
+
+class _FakeCuda:
+    """Records the CUDA calls of memrt.comm.streams in order (no device needed)."""
+
+    def __init__(self, monkeypatch, *, current: int = 0, count: int = 4) -> None:
+        self.calls: list[tuple] = []
+        self.current = current
+        test = self
+
+        class Event:
+            def __init__(self, *a, **k) -> None:
+                self.name = f"event{len([c for c in test.calls if c[0] == 'Event'])}"
+                test.calls.append(("Event", self.name))
+
+            def record(self, stream) -> None:
+                test.calls.append(("record", self.name, stream.name))
+
+            def synchronize(self) -> None:
+                test.calls.append(("synchronize", self.name))
+
+            def query(self) -> bool:
+                return True
+
+        class Stream:
+            def __init__(self, device=None, name: str = "comm") -> None:
+                self.name = name
+
+            def wait_event(self, ev) -> None:
+                test.calls.append(("wait_event", self.name, ev.name))
+
+        @contextlib.contextmanager
+        def stream_ctx(s):
+            test.calls.append(("stream enter", s.name))
+            yield
+            test.calls.append(("stream exit", s.name))
+
+        def set_device(d) -> None:
+            test.current = torch.device(d).index if not isinstance(d, int) else d
+            test.calls.append(("set_device", test.current))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: test.current)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(name="caller"))
+        monkeypatch.setattr(streams, "_streams", {})
+
+
+def test_group_device_follows_the_backend(monkeypatch):
+    _FakeCuda(monkeypatch, current=2)
+    monkeypatch.setattr(streams, "is_nccl", lambda group=None: True)
+    assert streams.group_device() == torch.device("cuda", 2)  # NCCL: CUDA tensors on the current device
+    monkeypatch.setattr(streams, "is_nccl", lambda group=None: False)
+    assert streams.group_device() == torch.device("cpu")  # gloo / MPI: the CPU
+
+
+def test_setup_device_order(monkeypatch):
+    fake = _FakeCuda(monkeypatch, current=0, count=2)
+    monkeypatch.setattr(streams, "is_nccl", lambda group=None: True)
+    assert streams.setup_device("cuda:1", local_rank=0) == torch.device("cuda", 1)  # the collective's tensor
+    assert streams.setup_device(None, device_id=torch.device("cuda", 1), local_rank=0) == torch.device("cuda", 1)
+    assert streams.setup_device(None, local_rank=3) == torch.device("cuda", 1)  # LOCAL_RANK modulo visible GPUs
+    fake.current = 1  # the script called set_device
+    assert streams.setup_device(None, local_rank=0) == torch.device("cuda", 1)
+    monkeypatch.setattr(streams, "is_nccl", lambda group=None: False)
+    assert streams.setup_device("cuda:1") is None  # gloo: no CUDA device for set-up collectives
+
+
+def test_submission_completes_after_the_gpu_work(monkeypatch):
+    """The worker binds its thread to the tensor's device, waits for the caller's stream, runs on memrt's
+    stream and returns only after the work's end event completed (so the future follows completion)."""
+    fake = _FakeCuda(monkeypatch, current=0)
+    tensor = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    sub = streams.DeviceSubmission(tensor)  # on the caller's thread
+    ran = []
+    out = sub.run(lambda: (ran.append(len(fake.calls)), fake.calls.append(("fn",)))[1])
+    names = [c[0] for c in fake.calls]
+    assert out is None and ran
+    assert names == ["Event", "record", "set_device", "wait_event", "stream enter", "fn", "Event", "record",
+                     "stream exit", "synchronize"], fake.calls
+    assert fake.calls[1] == ("record", "event0", "caller")  # the caller's stream, at submission
+    assert fake.calls[2] == ("set_device", 1) and fake.calls[3] == ("wait_event", "comm", "event0")
+    assert fake.calls[-1] == ("synchronize", "event1")  # the end event, recorded on memrt's stream
+    cpu = streams.DeviceSubmission(torch.ones(1))
+    before = len(fake.calls)
+    assert cpu.run(lambda: 7) == 7 and len(fake.calls) == before  # CPU tensors: nothing CUDA
+
+
+def test_bound_uses_the_handing_thread_stream(monkeypatch):
+    fake = _FakeCuda(monkeypatch, current=0)
+    fn = streams.bound(lambda a: fake.calls.append(("plug", a)), torch.device("cuda", 3))
+    fn("x")
+    assert [c for c in fake.calls if c[0] in ("set_device", "stream enter", "plug")] == [
+        ("set_device", 3), ("stream enter", "caller"), ("plug", "x")]
+    assert streams.bound(len, None) is len
+
+
+def test_nccl_discovery_waits_for_the_first_collective(monkeypatch):
+    """init_process_group on NCCL returns before discovery; the script's set_device comes next; the first
+    memrt collective (here get_topology / prepare) discovers on the device then current."""
+    import memrt.comm.api as api
+
+    fake = _FakeCuda(monkeypatch, current=0)
+    order: list = []
+    monkeypatch.setattr(api.tdist, "init_process_group", lambda **kw: order.append("init"))
+    monkeypatch.setattr(api.tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(api, "check_settings_agree", lambda: None)
+    monkeypatch.setattr(streams, "is_nccl", lambda group=None: True)
+
+    @contextlib.contextmanager
+    def on_device(d):
+        saved = fake.current
+        fake.current = d.index if d is not None else saved
+        yield
+        fake.current = saved
+
+    monkeypatch.setattr(streams, "on_device", on_device)
+
+    def fake_setup(**kw):
+        order.append(("discover", fake.current, kw.get("device")))
+        api._st.topology = "topology"
+        return api._st.topology
+
+    monkeypatch.setattr(api, "_setup_topology", fake_setup)
+    monkeypatch.setattr(api, "_st", api._State())
+    api.init_process_group("nccl", init_method="tcp://127.0.0.1:1", world_size=2, rank=1)
+    assert order == ["init"] and api._st.deferred is not None  # nothing collective yet
+    torch.cuda.set_device(1)  # the script's usual next line
+    order.append("set_device")
+    assert api.prepare() == "topology"
+    assert order == ["init", "set_device", ("discover", 1, torch.device("cuda", 1))]
+
+
+def _warm_worker(rank: int, world: int):
+    import memrt.comm as dist
+
+    dist.get_topology()  # set-up on torch's own gloo group: discovery, groups, warm-up
+    from memrt.comm import api
+
+    return [list(g) for g in api._st.warmed]
+
+
+@pytest.mark.slow
+def test_groups_are_warmed_once_in_a_fixed_order():
+    from memrt.testing import run_processes
+
+    res = run_processes(_warm_worker, 4, env={"MEMRT_TOPOLOGY": "0,1;2,3", "MEMRT_COMM": "hier"}, timeout=120)
+    # creation order: node 0's two groups, node 1's two, then the inter-node group of each local slot
+    assert res == [[[0, 1], [0, 1], [0, 2]], [[0, 1], [0, 1], [1, 3]],
+                   [[2, 3], [2, 3], [0, 2]], [[2, 3], [2, 3], [1, 3]]]
+
+
+def test_probe_measures_on_the_group_device(monkeypatch, tmp_path):
+    """Every measurement of the probe receives group_device(group); on gloo that is the CPU."""
+    import torch.distributed as dist
+
+    from memrt.comm import probe
+
+    seen = []
+    real = probe._local_rates
+    monkeypatch.setattr(probe, "_local_rates", lambda device=None, **kw: (seen.append(device), real(1 << 16, device))[1])
+    monkeypatch.setattr(streams, "group_device", lambda group=None: (seen.append("asked"), torch.device("cpu"))[1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", world_size=1, rank=0)
+    try:
+        model = probe.probe_links(((0,),), key="t")
+    finally:
+        dist.destroy_process_group()
+    assert seen == ["asked", torch.device("cpu")] and model.gamma_s_per_byte >= 0
+
+
+def test_balance_hook_counts_the_staging_wait_as_compute(monkeypatch):
+    """On a staged CUDA rank the copy to host first waits for the queued backward: that is compute time."""
+    from memrt.balance.hook import WeightedHookState, weighted_allreduce_hook
+
+    class Stream:
+        def synchronize(self) -> None:
+            time.sleep(0.2)  # the backward queued so far finishes
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    buf = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), mul_=lambda w: None)
+    mixed = SimpleNamespace(staging=True, all_reduce_future=lambda b: "future")
+    state = WeightedHookState(weight=1.0, world_size=2, mixed=mixed)
+    state.start_step(1.0, time.perf_counter())
+    state.note_forward()
+    assert weighted_allreduce_hook(state, SimpleNamespace(buffer=lambda: buf)) == "future"
+    assert state.compute_s >= 0.19 and state.blocked_s < 0.1
+
+
+def test_offload_held_bytes_running_total_matches_a_scan(tmp_path):
+    """The engine's O(1) held-bytes total equals a scan of its live entries after every pack and unpack."""
+    from memrt.memory.offload import OffloadEngine
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    cfg = GPTConfig(n_layer=3, d_model=64, seq_len=64, n_head=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x, y = gpt_batch(cfg, 4)
+
+    def scan(e) -> int:
+        return sum(en.nbytes for en in list(e._live)
+                   if (en.src is not None and e.device.type == "cpu") or en.data is not None or en.loading)
+
+    mismatches, checks, peaks = [], [0], [0]
+    with OffloadEngine("disk", directory=tmp_path, keep=model, min_bytes=1024, record=False) as eng:
+        pack, unpack = eng._pack, eng._unpack
+
+        def checked(fn):
+            def run(*a):
+                out = fn(*a)
+                eng.synchronize()
+                with eng._lock:
+                    checks[0] += 1
+                    s = scan(eng)
+                    peaks[0] = max(peaks[0], s)
+                    if s != eng._held_now():
+                        mismatches.append((s, eng._held_now()))
+                return out
+            return run
+
+        eng._pack, eng._unpack = checked(pack), checked(unpack)
+        for _ in range(2):
+            h = model.tok(x) + model.pos(torch.arange(x.size(1)))
+            for i, b in enumerate(model.blocks):
+                with eng.pack_hooks(i):
+                    h = b(h)
+            lm_loss(model.head(model.ln_f(h)), y).backward()
+        eng.synchronize()
+        assert checks[0] > 20 and not mismatches, mismatches[:5]
+        assert eng.stats().device_held_peak_bytes >= peaks[0] > 0
+        assert eng._held_now() == scan(eng)
