@@ -226,7 +226,8 @@ def run_step(run: Run, name: str, own_s: float, python: str) -> Row:
     cmd = [python, "-m", "benchmarks.gpu_check", "--step", name, "--out", str(run.out)]
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")  # deterministic cuBLAS: bitwise comparisons
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env)
         try:
             rc = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:

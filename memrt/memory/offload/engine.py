@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import weakref
 from dataclasses import asdict
 from pathlib import Path
