@@ -246,3 +246,127 @@ def test_offload_held_bytes_running_total_matches_a_scan(tmp_path):
         assert checks[0] > 20 and not mismatches, mismatches[:5]
         assert eng.stats().device_held_peak_bytes >= peaks[0] > 0
         assert eng._held_now() == scan(eng)
+
+
+class _StreamLog:
+    """Fake CUDA streams and events for the host tier on CPU tensors: every stream call, in order."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.log: list[tuple] = []
+        log = self.log
+        counter = [0]
+
+        class Event:
+            def __init__(self, *a, **k) -> None:
+                counter[0] += 1
+                self.name = f"e{counter[0]}"
+
+            def record(self, stream) -> None:
+                log.append(("record", stream.name, self.name))
+
+            def query(self) -> bool:
+                return True
+
+            def synchronize(self) -> None:
+                log.append(("host_sync", self.name))
+
+        class Stream:
+            def __init__(self, device=None, name: str | None = None) -> None:
+                counter[0] += 1
+                self.name = name or f"side{counter[0]}"
+
+            def wait_stream(self, other) -> None:
+                log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, ev) -> None:
+                log.append(("wait_event", self.name, ev.name))
+
+            def synchronize(self) -> None:
+                log.append(("stream_sync", self.name))
+
+            def __eq__(self, other) -> bool:
+                return isinstance(other, Stream) and other.name == self.name
+
+            __hash__ = object.__hash__
+
+        self.compute = Stream(name="compute")
+
+        @contextlib.contextmanager
+        def stream_ctx(s):
+            log.append(("enter", s.name))
+            yield
+            log.append(("exit", s.name))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.compute)
+
+
+def test_host_tier_stream_order_on_cpu(monkeypatch, tmp_path):
+    """The host tier's logic with fake streams: gradients equal; copies wait for the compute stream; each
+    unit's sources are dropped only after the compute stream waited on their copies; loads wait for their
+    store, and the compute stream waits on each load before use; two copy streams; no host sync; the pool
+    sized from the plan never grows."""
+    import copy
+
+    from memrt.memory.offload import OffloadEngine
+    from memrt.memory.offload import host as host_mod
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    cfg = GPTConfig(n_layer=3, d_model=64, seq_len=64, n_head=2, dropout=0.1)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    x, y = gpt_batch(cfg, 4)
+
+    def step(m, eng=None):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        h = m.drop(m.tok(x) + m.pos(torch.arange(x.size(1))))
+        for i, b in enumerate(m.blocks):
+            with (eng.pack_hooks(i) if eng is not None else contextlib.nullcontext()):
+                h = b(h)
+        lm_loss(m.head(m.ln_f(h)), y).backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    want = step(ref)
+    fake = _StreamLog(monkeypatch)
+    monkeypatch.setattr(host_mod.HostPool, "__init__",
+                        lambda self, capacity_bytes, pin=True, _orig=host_mod.HostPool.__init__: _orig(
+                            self, capacity_bytes, pin=False))  # no pinned memory without CUDA
+    eng = OffloadEngine("disk", device="cpu", directory=tmp_path, keep=model, min_bytes=1024, record=False)
+    eng._finalizer()  # the disk tier goes; the host tier's logic runs on CPU tensors with fake streams
+    tier = host_mod.HostTier(torch.device("cuda", 0), pool_bytes=host_mod.pool_bytes_for(8 << 20))
+    tier.device = torch.device("cpu")
+    eng._tier, eng.tier_name, eng._closed = tier, "host", False
+    batches = []
+    new_file = tier.new_file
+    tier.new_file = lambda unit: (batches.append(new_file(unit)), batches[-1])[1]
+    for _ in range(2):
+        got = step(model, eng)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert batches and not any(b.sources for b in batches)  # every unit's sources let go by backward's end
+        for b in batches:  # ... each only after the compute stream waited on its last copy
+            assert ("wait_event", "compute", b.event.name) in fake.log
+        batches.clear()
+    log = fake.log
+    d2h, h2d = tier.d2h.name, tier.h2d.name
+    assert d2h != h2d  # one stream per direction
+    assert not [c for c in log if c[0] in ("host_sync", "stream_sync")]  # nothing blocks the host
+    stores = [i for i, c in enumerate(log) if c == ("enter", d2h)]
+    loads = [i for i, c in enumerate(log) if c == ("enter", h2d)]
+    assert stores and loads
+    for i in stores:  # every copy to host waits for the compute stream first
+        assert ("wait_stream", d2h, "compute") in log[max(0, i - 3):i]
+    store_events = [log[i + 1][2] for i in stores if log[i + 1][0] == "record"]
+    for i in loads:  # a load waits for compute (its block's earlier users) and for the store that wrote it
+        before = log[max(0, i - 3):i]
+        assert ("wait_stream", h2d, "compute") in before
+        assert any(c[0] == "wait_event" and c[1] == h2d and c[2] in store_events for c in before)
+        done = log[i + 1]
+        assert done[0] == "record" and done[1] == h2d
+        assert ("wait_event", "compute", done[2]) in log[i + 2:]  # used only after the copy
+    assert tier.pool.allocations == 1 and eng.stats().bytes_restored > 0
+    eng.close()
