@@ -370,3 +370,47 @@ def test_host_tier_stream_order_on_cpu(monkeypatch, tmp_path):
         assert ("wait_event", "compute", done[2]) in log[i + 2:]  # used only after the copy
     assert tier.pool.allocations == 1 and eng.stats().bytes_restored > 0
     eng.close()
+
+
+def test_flat_cuda_call_is_timed_to_completion(monkeypatch):
+    """A flat torch collective on a CUDA tensor: its record's seconds come from CUDA events around the call
+    (read later, no host wait) and the hang watchdog tracks the end event, not the enqueue."""
+    import memrt.comm.api as api
+    from memrt.comm.topology import Topology
+    from memrt.profiling.recorder import Recorder
+
+    fake = _StreamLog(monkeypatch)
+    events = []
+
+    class Event:
+        def __init__(self, enable_timing=False) -> None:
+            self.t = None
+            events.append(self)
+
+        def record(self, stream) -> None:
+            self.t = len(events)
+            fake.log.append(("record", stream.name))
+
+        def query(self) -> bool:
+            return False  # the GPU work is still running
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return 250.0  # milliseconds
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    rec = Recorder()
+    monkeypatch.setattr("memrt.profiling.recorder.get_recorder", lambda: rec)
+    tracked = []
+    health = SimpleNamespace(inside=lambda name: contextlib.nullcontext(), track=lambda n, e: tracked.append((n, e)))
+    st = api._State(topology=Topology.from_nodes(((0, 1),), 0), health=health)
+    monkeypatch.setattr(api, "_st", st)
+    t = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float32)
+    called = []
+    api._flat_torch("all_reduce", t, 4096, lambda: called.append(fake.log[-1]), async_op=False)
+    assert called == [("record", "compute")]  # the start event is on the caller's stream, before the call
+    assert len(events) == 2 and tracked == [("all_reduce", events[1])]
+    assert rec.comm[0].seconds == 0.0  # not read at enqueue
+    assert rec.resolve_pending(block=True) == 0 and rec.comm[0].seconds == pytest.approx(0.25)
