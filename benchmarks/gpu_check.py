@@ -147,6 +147,10 @@ def environment() -> Row:
         fig["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001
         fig["nccl"] = None
+    import importlib.util
+
+    fig["packages"] = {m: importlib.util.find_spec(m) is not None  # memrt's deps and what the rows use
+                       for m in ("numpy", "psutil", "setuptools", "pip", "pytest", "transformers", "matplotlib")}
     if fig["cuda_available"]:
         p = torch.cuda.get_device_properties(0)
         fig.update(gpu=p.name, gpu_memory_bytes=int(p.total_memory), gpus=torch.cuda.device_count())
@@ -156,8 +160,10 @@ def environment() -> Row:
         fig["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         fig["nvidia_smi"] = f"unavailable ({type(exc).__name__})"
+    missing = [m for m, ok in fig["packages"].items() if not ok]
     return Row(name="environment", status="PASS", figures=fig,
-               reason=f"torch {fig['torch']}, CUDA {fig['cuda']}, NCCL {fig['nccl']}, {fig.get('gpu', 'no GPU')}")
+               reason=f"torch {fig['torch']}, CUDA {fig['cuda']}, NCCL {fig['nccl']}, {fig.get('gpu', 'no GPU')}"
+                      + (f"; not installed: {', '.join(missing)}" if missing else ""))
 
 
 def cuda_row(env: Row, dry_run: bool) -> Row:

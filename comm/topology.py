@@ -234,9 +234,12 @@ def _device_memory(kind: str) -> int:
 
     if kind == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    import psutil
+    try:
+        import psutil
 
-    return int(psutil.virtual_memory().total)
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # a bare environment (e.g. installed with --no-deps): the kernel's page count
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def discover(group: Any = None, *, override: tuple[tuple[int, ...], ...] | None = None) -> Topology:
