@@ -258,46 +258,51 @@ def step_offload_overlap(out: Path) -> tuple[str, str, dict]:
 NCCL_SIZES = (1, 7, 1000003)
 
 
-def _nccl_worker() -> None:
-    """One of 4 ranks on the one GPU (launched by step_nccl); prints ``RESULT {json}`` on rank 0."""
+def _nccl_worker(kind: str = "cuda") -> None:
+    """One of 4 ranks on the one GPU (launched by step_nccl); prints ``RESULT {json}`` on rank 0.
+
+    ``kind="cpu"``: the same checks on gloo with CPU tensors (a smoke test of this code off the GPU)."""
     import torch
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import memrt.comm as dist
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    dev = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     checks: dict[str, bool] = {}
     for numel in NCCL_SIZES:
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator().manual_seed(rank)
-            x = torch.randint(-8, 8, (numel,), generator=g).to(dtype).cuda()
+            x = torch.randint(-8, 8, (numel,), generator=g).to(dtype).to(dev)
             ref = x.clone()
             tdist.all_reduce(ref)
             dist.all_reduce(x)  # small integers: every reduction order gives the same sum
             checks[f"all_reduce {numel} {str(dtype)[6:]}"] = bool(torch.equal(x, ref))
     for src in (0, 3):
-        b = torch.full((1000003,), float(rank), device="cuda")
+        b = torch.full((1000003,), float(rank), device=dev)
         dist.broadcast(b, src=src)
         checks[f"broadcast from {src}"] = bool(torch.all(b == src).item())
     algos = sorted({r.algorithm for r in _records()})
 
     def train(hook: bool) -> list:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
-        ddp = DDP(model, device_ids=[0], bucket_cap_mb=1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(dev)
+        ddp = DDP(model, device_ids=[0] if kind == "cuda" else None, bucket_cap_mb=1)
         if hook:
             dist.register_ddp_hook(ddp, compress="none")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(10 + rank)
         for _ in range(2):
-            xb = torch.randn(32, 64, generator=g).cuda()
+            xb = torch.randn(32, 64, generator=g).to(dev)
             opt.zero_grad(set_to_none=True)
             ddp(xb).square().mean().backward()
             opt.step()
-        torch.cuda.synchronize()
+        if kind == "cuda":
+            torch.cuda.synchronize()
         return [p.detach().cpu() for p in model.parameters()]
 
     plain, memrt_hook = train(False), train(True)
@@ -320,14 +325,14 @@ def _records() -> list:
     return list(rec.comm)
 
 
-def step_nccl(out: Path) -> tuple[str, str, dict]:
+def step_nccl(out: Path, kind: str = "cuda") -> tuple[str, str, dict]:
     from benchmarks._common import launch_ranks, result_lines
 
     env = {"MEMRT_TOPOLOGY": "0,1;2,3", "MEMRT_COMM": "hier", "MEMRT_REPORT_DIR": str(out / "logs"),
            "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
            "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "0"}
-    outs = launch_ranks(["python", "-m", "benchmarks.gpu_steps", "--nccl-worker"], nodes=((0, 1), (2, 3)), env=env,
-                        timeout_s=55, rank_env=lambda r: {"NCCL_HOSTID": f"memrt-gpu-check-{r}"})
+    outs = launch_ranks(["python", "-m", "benchmarks.gpu_steps", "--nccl-worker", kind], nodes=((0, 1), (2, 3)), env=env,
+                        timeout_s=55 if kind == "cuda" else 240, rank_env=lambda r: {"NCCL_HOSTID": f"memrt-gpu-check-{r}"})
     r = result_lines(outs)[0]
     bad = [k for k, ok in r["checks"].items() if not ok]
     reason = (f"{len(r['checks']) - len(bad)}/{len(r['checks'])} equal to torch.distributed "
@@ -373,7 +378,7 @@ def step_pytest_gpu(out: Path) -> tuple[str, str, dict]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--nccl-worker"]:
-        _nccl_worker()
+    if sys.argv[1:2] == ["--nccl-worker"]:
+        _nccl_worker(*sys.argv[2:3])
     else:
         sys.exit("usage: python -m benchmarks.gpu_check --step NAME --out DIR (this module holds the steps)")
