@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# memrt's device check for a lent GPU (no network): one run, <= 400 s, one JSON + one text table.
+# memrt's device check for a lent GPU (no network): one run (390 s deadline, hard kill <= 420 s), one JSON + one text table.
 #   bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]      (OUT_DIR default: $OUT, else ./gpu-check)
 # Python: $PYTHON, else .venv/bin/python, python3, python -- the first that imports torch. memrt is
 # installed offline against that torch (pip --no-deps --no-build-isolation --no-index -e .).
