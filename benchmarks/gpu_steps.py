@@ -137,6 +137,8 @@ def _memrt_arm(label: str, budget: int, offload: str | None, ref: list, baseline
         m = _measure(model, batch, warm=3)  # profile, plan in force, one more
         plan = memrt.plan_of(model)
         actions = sorted({str(u.action) for u in plan.units}) if plan is not None else []
+        predicted = getattr(plan, "predicted_peak_bytes", None)
+        certified = getattr(plan, "measured_peak_bytes", None)  # what memrt's own certification measured
         pinned = _pinned_bytes(model)
     finally:
         memrt.disable(model)
@@ -144,7 +146,8 @@ def _memrt_arm(label: str, budget: int, offload: str | None, ref: list, baseline
     arm = {"arm": f"memrt@{label}", "budget": int(budget), "peak_allocated": m["peak_allocated"],
            "peak_reserved": m["peak_reserved"], "step_s": m["step_s"], "grads_equal": equal,
            "vs_every_block": m["step_s"] / baseline["every_block"], "vs_save_on_cpu": m["step_s"] / baseline["save_on_cpu"],
-           "pinned_bytes": pinned, "actions": ",".join(actions)}
+           "pinned_bytes": pinned, "predicted_peak": predicted, "certified_peak": certified,
+           "actions": ",".join(actions)}
     why = []
     if not equal:
         why.append("gradients differ from stock")

@@ -414,3 +414,18 @@ def test_flat_cuda_call_is_timed_to_completion(monkeypatch):
     assert len(events) == 2 and tracked == [("all_reduce", events[1])]
     assert rec.comm[0].seconds == 0.0  # not read at enqueue
     assert rec.resolve_pending(block=True) == 0 and rec.comm[0].seconds == pytest.approx(0.25)
+
+
+def test_ddp_hook_registration_sets_up_groups_first(monkeypatch):
+    """register_ddp_hook (also what MEMRT=1 uses) sets memrt.comm up on the model's device before the hook
+    exists, so the hook's first call, mid-backward, creates no communicator."""
+    import memrt.comm.api as api
+    from memrt.comm import ddp_hook
+
+    order = []
+    monkeypatch.setattr(api, "prepare", lambda device=None: order.append(("prepare", device)))
+    param = torch.nn.Parameter(torch.ones(2))
+    ddp = SimpleNamespace(process_group=None, parameters=lambda: iter([param]),
+                          register_comm_hook=lambda state, hook: order.append(("register", hook.__name__)))
+    assert ddp_hook.register_ddp_hook(ddp) is ddp
+    assert order == [("prepare", param.device), ("register", "ddp_comm_hook")]
