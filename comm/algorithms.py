@@ -101,6 +101,10 @@ def auto_chunk_bytes(nbytes: int, cap: int = DEFAULT_CHUNK_BYTES) -> int:
 
 
 def check_reducible(tensor: torch.Tensor, op: str) -> None:
+    """Raise for reductions torch.distributed rejects, with torch's error type and words."""
+    if tensor.is_complex() and op in ("MIN", "MAX", "PRODUCT"):
+        # torch.distributed.all_reduce's own check (distributed_c10d.supports_complex)
+        raise ValueError(f"all_reduce does not support {op} on complex tensors")
     if op == "AVG" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"ReduceOp.AVG of a {tensor.dtype} tensor is not defined (torch.distributed's gloo "
                         "raises too): all-reduce with SUM and divide, or use a floating-point tensor")

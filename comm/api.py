@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,6 +24,7 @@ import torch.distributed as tdist
 
 from memrt.agreement import check_or_exit as check_settings_agree
 from memrt.comm import algorithms as alg
+from memrt.comm import events
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
 from memrt.comm.tiers import HierGroups, clear_group_cache, op_name, torch_groups
 from memrt.comm.topology import Topology, discover
@@ -186,7 +188,8 @@ def _ensure() -> None:
         if not tdist.is_initialized():
             raise RuntimeError("memrt.comm: the default process group is not initialized: call "
                                "memrt.comm.init_process_group() first")
-        setup_topology()
+        with events.quiet():  # discovery's collectives are memrt's, not the user's
+            setup_topology()
 
 
 # ---------------------------------------------------------------- work objects
@@ -231,10 +234,19 @@ class MemrtWork:
 
 
 class _RecordedWork:
-    """A torch Work that records its CommRecord when waited on, and diagnoses peer failures."""
+    """A torch Work that records its CommRecord once, when waited on or when its future completes
+    (DDP's comm hooks only use ``get_future()``), and diagnoses peer failures."""
 
     def __init__(self, work: Any, finish: Callable[[], None], name: str) -> None:
-        self._work, self._finish, self._name = work, finish, name
+        self._work, self._name = work, name
+        self._pending: Callable[[], None] | None = finish
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        with self._lock:
+            finish, self._pending = self._pending, None
+        if finish is not None:
+            finish()
 
     def wait(self, *args: Any, **kw: Any) -> bool:
         try:
@@ -243,6 +255,15 @@ class _RecordedWork:
             _raise_diagnosed(self._name, exc)
         self._finish()
         return ok
+
+    def get_future(self) -> torch.futures.Future:
+        """The work's future, chained so that the call is recorded when it completes (same value)."""
+        def done(fut: torch.futures.Future) -> Any:
+            value = fut.value()  # raises (and records nothing) when the collective failed
+            self._finish()
+            return value
+
+        return self._work.get_future().then(done)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -271,24 +292,11 @@ def _world() -> int:
     return _st.topology.world_size if _st.topology is not None else tdist.get_world_size()
 
 
-def tier_bytes(op: str, algorithm: str, nbytes: int, topo: Topology) -> dict[str, int]:
-    """Bytes this rank sends per tier for one call (ring flat algorithms; memrt's hierarchical ones)."""
-    w, n, k = topo.world_size, topo.num_nodes, topo.local_size
-    if algorithm.startswith("hier"):
-        if op == "all_reduce" and "+" in algorithm:  # issue 6: compressed inter hop
-            from memrt.comm.select import tier_bytes as compressed_tier_bytes
+def tier_bytes(op: str, algorithm: str, nbytes: int, topo: Topology, element_size: int = 4) -> dict[str, int]:
+    """Bytes this rank sends per tier for one call: :func:`memrt.comm.select.tier_bytes` on ``topo``."""
+    from memrt.comm.select import tier_bytes as _tier_bytes
 
-            return compressed_tier_bytes(algorithm, nbytes, topo.nodes, topo.rank)
-        if op == "all_reduce":
-            return {"intra": int(2 * (k - 1) / k * nbytes), "inter": int(2 * (n - 1) / n * nbytes / k) if n > 1 else 0}
-        if op == "broadcast":
-            return {"intra": int(nbytes), "inter": int(nbytes)}
-        m = nbytes // w if op == "reduce_scatter" else nbytes  # per-rank block
-        return {"intra": int((k - 1) * n * m), "inter": int((n - 1) * m)}
-    crossing = topo.node_of((topo.rank + 1) % w) != topo.node_index
-    sent = {"all_reduce": 2 * (w - 1) / w * nbytes, "broadcast": nbytes,
-            "all_gather": (w - 1) * nbytes, "reduce_scatter": (w - 1) / w * nbytes}.get(op, nbytes)
-    return {"intra": 0, "inter": int(sent)} if crossing else {"intra": int(sent), "inter": 0}
+    return _tier_bytes(algorithm, nbytes, tuple(tuple(n) for n in topo.nodes), topo.rank, element_size, op=op)
 
 
 def _decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None) -> tuple[str, float | None]:
@@ -339,8 +347,11 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
 
 def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: float | None, fn: Callable[[], Any],
          async_op: bool, outputs: list[torch.Tensor]) -> MemrtWork | None:
+    """Run memrt's own algorithm ``fn`` for the user's call on the comm thread (one profiler event of the
+    backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there)."""
     start = time.perf_counter()
-    tier = tier_bytes(name, algorithm, nbytes, _st.topology)
+    tier = tier_bytes(name, algorithm, nbytes, _st.topology, t.element_size())
+    event = events.begin(name, [t])
 
     def job() -> None:
         try:
@@ -351,6 +362,9 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
                 fn()
         except Exception as exc:  # noqa: BLE001
             _raise_diagnosed(name, exc)
+        finally:
+            if event is not None:
+                event.end(here=True)
         _record(name, t, nbytes, algorithm, start, tier, predicted)
 
     work = MemrtWork(_st.executor.submit(job), outputs)
@@ -363,7 +377,7 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
 def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], async_op: bool,
                 predicted: float | None = None) -> Any:
     start = time.perf_counter()
-    tier = tier_bytes(name, "flat", nbytes, _st.topology)
+    tier = tier_bytes(name, "flat", nbytes, _st.topology, t.element_size())
     finish = lambda: _record(name, t, nbytes, "flat", start, tier, predicted)  # noqa: E731
     try:
         with (_st.health.inside(name) if _st.health is not None else _null()):
@@ -374,6 +388,11 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
         return _RecordedWork(work, finish, name)
     finish()
     return None
+
+
+def _check(op: str, tensor: torch.Tensor, group: Any, *, extra: int = 0) -> None:
+    with events.quiet():  # the cross-rank argument check is memrt's collective, not the user's
+        check_signatures(op, tensor, group, extra=extra)
 
 
 class _null:
@@ -410,7 +429,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     alg.check_reducible(tensor, opn)
     nbytes = tensor.numel() * tensor.element_size()
     if _st.checks:
-        check_signatures("all_reduce", tensor, _st.check_group, extra=list(_OPN).index(opn))
+        _check("all_reduce", tensor, _st.check_group, extra=list(_OPN).index(opn))
     algorithm, predicted = _decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
@@ -449,7 +468,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     _ensure()
     nbytes = tensor.numel() * tensor.element_size()
     if _st.checks:
-        check_signatures("broadcast", tensor, _st.check_group, extra=src)
+        _check("broadcast", tensor, _st.check_group, extra=src)
     if _st.mpi is not None and tensor.device.type == "cpu":
         return _run("broadcast", tensor, nbytes, "flat@mpi", None, lambda: _st.mpi.broadcast(tensor, src),
                     async_op, [tensor])
@@ -471,7 +490,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     _ensure()
     nbytes = input_tensor.numel() * input_tensor.element_size()
     if _st.checks:
-        check_signatures("all_gather", input_tensor, _st.check_group)
+        _check("all_gather", input_tensor, _st.check_group)
     if _st.mpi is not None and input_tensor.device.type == "cpu":
         return _run("all_gather", input_tensor, nbytes, "flat@mpi", None,
                     lambda: _st.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op, [output_tensor])
@@ -498,7 +517,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return _flat_torch("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
                            async_op)
     if _st.checks:
-        check_signatures("all_gather", tensor, _st.check_group)
+        _check("all_gather", tensor, _st.check_group)
 
     def fn() -> None:
         out = torch.empty(len(tensor_list) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
@@ -520,7 +539,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     alg.check_reducible(input, opn)
     nbytes = input.numel() * input.element_size()
     if _st.checks:
-        check_signatures("reduce_scatter", input, _st.check_group, extra=list(_OPN).index(opn))
+        _check("reduce_scatter", input, _st.check_group, extra=list(_OPN).index(opn))
     if _st.mpi is not None and input.device.type == "cpu":
         return _run("reduce_scatter", input, nbytes, "flat@mpi", None,
                     lambda: _st.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output])

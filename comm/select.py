@@ -119,19 +119,41 @@ def choose(op: str, nbytes: int, dtype: Any, topology: Any, config: Any = None, 
 
 
 def tier_bytes(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], rank: int,
-               element_size: int = 4) -> dict[str, int]:
-    """Bytes this rank sends per tier for one all-reduce of ``nbytes`` under ``algorithm``."""
+               element_size: int = 4, *, op: str = "all_reduce") -> dict[str, int]:
+    """Bytes ``rank`` sends per tier for one ``op`` call of ``nbytes`` under ``algorithm``, for any
+    rank-to-node layout (nodes of any size, ranks of a node need not be contiguous).
+
+    ``nbytes`` is the user's tensor: the input for all_gather (one rank's block) and the full input for
+    reduce_scatter. Flat = torch's ring in rank order: rank r sends to r+1 (mod p), so its bytes are
+    inter-node exactly when r+1 is on another node; per-rank ring volumes (Thakur et al. 2005):
+    all_reduce 2(p-1)/p n, all_gather (p-1) n, reduce_scatter (p-1)/p n, broadcast n (forwarded once).
+    Hierarchical (k = ranks of this rank's node, m = nodes): all_reduce intra 2(k-1)/k n (reduce-scatter
+    + all-gather), inter 2(m-1)/m n/k (this rank's 1/k of the node's share crosses in a ring over the
+    nodes; compressed: the codec's wire ratio, one all-gather of the shard when m = 2); all_gather
+    inter (m-1) n then intra (k-1) m n; reduce_scatter intra (k-1) m n/p then inter (m-1) n/p;
+    broadcast n on each tier. ``...@mpi`` algorithms count as their plain name.
+    """
+    algorithm = algorithm.split("@", 1)[0]
     node_of = {r: i for i, n in enumerate(nodes) for r in n}
+    if rank not in node_of:
+        raise ValueError(f"rank={rank} is not in the topology's nodes {nodes}")
     p = sum(len(n) for n in nodes)
     m = len(nodes)
-    local = len(nodes[node_of[rank]])
-    if algorithm == "flat":
-        sent = int(2 * (p - 1) / p * nbytes) if p > 1 else 0
-        # ring ordered by rank: the last rank of each node sends across nodes
-        crossing = m > 1 and nodes[node_of[rank]][-1] == rank
-        return {"inter": sent, "intra": 0} if crossing else {"intra": sent, "inter": 0}
-    intra = int(2 * (local - 1) / local * nbytes) if local > 1 else 0
-    shard = nbytes / max(local, 1)
+    k = len(nodes[node_of[rank]])
+    if p <= 1:
+        return {"intra": 0, "inter": 0}
+    if algorithm in ("flat", "off"):
+        sent = {"all_reduce": 2 * (p - 1) / p * nbytes, "broadcast": nbytes, "all_gather": (p - 1) * nbytes,
+                "reduce_scatter": (p - 1) / p * nbytes}.get(op, nbytes)
+        crossing = node_of[(rank + 1) % p] != node_of[rank]
+        return {"intra": 0, "inter": int(sent)} if crossing else {"intra": int(sent), "inter": 0}
+    if op == "broadcast":
+        return {"intra": int(nbytes) if k > 1 else 0, "inter": int(nbytes) if m > 1 else 0}
+    if op in ("all_gather", "reduce_scatter"):
+        block = nbytes / p if op == "reduce_scatter" else nbytes  # one rank's block
+        return {"intra": int((k - 1) * m * block), "inter": int((m - 1) * block)}
+    intra = int(2 * (k - 1) / k * nbytes) if k > 1 else 0
+    shard = nbytes / k
     if algorithm == "hier":
         inter = int(2 * (m - 1) / m * shard) if m > 1 else 0
     else:
