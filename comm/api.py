@@ -5,9 +5,9 @@ call, peer-failure diagnosis); calls on other groups, and every name memrt does 
 straight to torch.distributed. memrt's own algorithms run on one worker thread in call order, so
 ``async_op=True`` returns a real waitable :class:`MemrtWork` and ordering across ranks is kept.
 
-Algorithm choice (the issue-6 seam): ``memrt.comm.select.choose`` when that module is present, else
-``MEMRT_COMM`` (auto = hierarchical when there is more than one node, some node has several ranks
-and the tensor is at least :data:`AUTO_MIN_BYTES`).
+Algorithm choice, for every op: :func:`memrt.comm.select.choose` (``MEMRT_COMM=flat|hier`` forces,
+``auto`` takes the cost model's fastest; hierarchical needs more than one node with some node of
+several ranks). Profiler events: one per user call, named as the backend's (:mod:`memrt.comm.events`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,9 @@ from memrt.comm.topology import Topology, discover
 
 __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup_topology", "all_reduce",
            "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-           "reduce_scatter_single", "MemrtWork", "AUTO_MIN_BYTES", "set_checks"]
+           "reduce_scatter_single", "MemrtWork", "set_checks"]
 
 logger = logging.getLogger(__name__)
-
-AUTO_MIN_BYTES = 4 * 1024 * 1024
-"""Below this size MEMRT_COMM=auto stays flat (latency dominates; two extra hops do not pay)."""
-
 
 @dataclass(slots=True)
 class _State:
@@ -279,13 +275,15 @@ def _raise_diagnosed(name: str, exc: BaseException) -> None:
 
 # ---------------------------------------------------------------- recording and choice
 def _record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, start: float, tier: dict[str, int],
-            predicted: float | None) -> None:
+            predicted: float | None, redop: str = "") -> None:
+    """One CommRecord; its size is nccl-tests' (all_gather: the gathered output, ``nbytes`` x ranks)."""
     from memrt.profiling.recorder import CommRecord, get_recorder
 
+    world = _world()
     get_recorder().record_comm(CommRecord(
-        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes), group_size=_world(),
-        algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier, predicted_seconds=predicted,
-        start=start))
+        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes) * (world if op == "all_gather" else 1),
+        group_size=world, algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier,
+        predicted_seconds=predicted, start=start, redop=redop))
 
 
 def _world() -> int:
@@ -299,29 +297,18 @@ def tier_bytes(op: str, algorithm: str, nbytes: int, topo: Topology, element_siz
     return _tier_bytes(algorithm, nbytes, tuple(tuple(n) for n in topo.nodes), topo.rank, element_size, op=op)
 
 
-def _decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None) -> tuple[str, float | None]:
+def _decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0) -> tuple[str, float | None]:
+    """(algorithm, predicted seconds) for one call: memrt.comm.select.choose, the cost model's pick."""
     cfg, topo = _st.config, _st.topology
     if cfg.comm == "off":
         return "off", None
     if not topo.hierarchical_useful or _st.groups is None:
         return "flat", None
-    if op == "all_reduce":
-        try:
-            from memrt.comm.select import choose  # issue 6: per-call choice by the cost model
-        except ImportError:
-            choose = None
-        if choose is not None:
-            try:
-                d = choose(op, nbytes, dtype, topo, cfg, reduce_op=reduce_op)
-            except TypeError:
-                d = choose(op, nbytes, dtype, topo, cfg)
-            logger.debug("all_reduce %d B: %s (%s)", nbytes, d.algorithm, d.reason)
-            return d.algorithm, d.predicted_seconds
-    if op in ("all_gather", "reduce_scatter") and not topo.is_uniform:
-        return "flat", None
-    if cfg.comm == "hier" or (cfg.comm == "auto" and nbytes >= AUTO_MIN_BYTES):
-        return "hier", None
-    return "flat", None
+    from memrt.comm.select import choose
+
+    d = choose(op, nbytes, dtype, topo, cfg, reduce_op=reduce_op, backend=str(tdist.get_backend()), src=src)
+    logger.debug("%s %d B: %s (%s)", op, nbytes, d.algorithm, d.reason)
+    return d.algorithm, d.predicted_seconds
 
 
 def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
@@ -346,7 +333,7 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
 
 
 def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: float | None, fn: Callable[[], Any],
-         async_op: bool, outputs: list[torch.Tensor]) -> MemrtWork | None:
+         async_op: bool, outputs: list[torch.Tensor], redop: str = "") -> MemrtWork | None:
     """Run memrt's own algorithm ``fn`` for the user's call on the comm thread (one profiler event of the
     backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there)."""
     start = time.perf_counter()
@@ -365,7 +352,7 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
         finally:
             if event is not None:
                 event.end(here=True)
-        _record(name, t, nbytes, algorithm, start, tier, predicted)
+        _record(name, t, nbytes, algorithm, start, tier, predicted, redop)
 
     work = MemrtWork(_st.executor.submit(job), outputs)
     if async_op:
@@ -375,10 +362,10 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
 
 
 def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], async_op: bool,
-                predicted: float | None = None) -> Any:
+                predicted: float | None = None, redop: str = "") -> Any:
     start = time.perf_counter()
     tier = tier_bytes(name, "flat", nbytes, _st.topology, t.element_size())
-    finish = lambda: _record(name, t, nbytes, "flat", start, tier, predicted)  # noqa: E731
+    finish = lambda: _record(name, t, nbytes, "flat", start, tier, predicted, redop)  # noqa: E731
     try:
         with (_st.health.inside(name) if _st.health is not None else _null()):
             work = call()
@@ -441,7 +428,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     if _st.mpi is not None and tensor.device.type == "cpu":
         mpi_algo = "hier" if algorithm.startswith("hier") else "flat"
         return _run("all_reduce", tensor, nbytes, mpi_algo + "@mpi", predicted,
-                    lambda: _st.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor])
+                    lambda: _st.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor], opn.lower())
     if algorithm.startswith("hier"):
         plug = _plug_for(algorithm, key if key is not None else ("all_reduce", tuple(tensor.shape), str(tensor.dtype)),
                          tensor.data_ptr())
@@ -452,9 +439,10 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
             chunk = pipeline_chunk_bytes(algorithm.split("+", 1)[1], nbytes)
         return _run("all_reduce", tensor, nbytes, algorithm, predicted,
                     lambda: alg.hierarchical_all_reduce(tensor, opn, _st.topology, inter_all_reduce=plug,
-                                                        groups=_st.groups, chunk_bytes=chunk), async_op, [tensor])
+                                                        groups=_st.groups, chunk_bytes=chunk), async_op, [tensor],
+                    opn.lower())
     return _flat_torch("all_reduce", tensor, nbytes,
-                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted)
+                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower())
 
 
 _OPN = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
@@ -472,13 +460,14 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     if _st.mpi is not None and tensor.device.type == "cpu":
         return _run("broadcast", tensor, nbytes, "flat@mpi", None, lambda: _st.mpi.broadcast(tensor, src),
                     async_op, [tensor])
-    algorithm, _ = _decide("broadcast", nbytes, tensor.dtype)
+    algorithm, predicted = _decide("broadcast", nbytes, tensor.dtype, src=src)
     if algorithm == "off":
         return tdist.broadcast(tensor, src, group, async_op)
     if algorithm == "hier":
-        return _run("broadcast", tensor, nbytes, "hier", None,
+        return _run("broadcast", tensor, nbytes, "hier", predicted,
                     lambda: alg.hierarchical_broadcast(tensor, src, _st.topology, groups=_st.groups), async_op, [tensor])
-    return _flat_torch("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op)
+    return _flat_torch("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
+                       predicted)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -494,13 +483,16 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if _st.mpi is not None and input_tensor.device.type == "cpu":
         return _run("all_gather", input_tensor, nbytes, "flat@mpi", None,
                     lambda: _st.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op, [output_tensor])
-    algorithm, _ = _decide("all_gather", nbytes, input_tensor.dtype)
+    algorithm, predicted = _decide("all_gather", nbytes, input_tensor.dtype)
+    if algorithm == "off":
+        return flat_fn(output_tensor, input_tensor, group, async_op)
     if algorithm == "hier" and output_tensor.is_contiguous():
-        return _run("all_gather", input_tensor, nbytes, "hier", None,
+        return _run("all_gather", input_tensor, nbytes, "hier", predicted,
                     lambda: alg.hierarchical_all_gather(output_tensor, input_tensor, _st.topology, groups=_st.groups),
                     async_op, [output_tensor])
     return _flat_torch("all_gather", input_tensor, nbytes,
-                       lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op)
+                       lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
+                       predicted if algorithm == "flat" else None)
 
 
 all_gather_single = all_gather_into_tensor
@@ -512,10 +504,12 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return tdist.all_gather(tensor_list, tensor, group, async_op)
     _ensure()
     nbytes = tensor.numel() * tensor.element_size()
-    algorithm, _ = _decide("all_gather", nbytes, tensor.dtype)
+    algorithm, predicted = _decide("all_gather", nbytes, tensor.dtype)
+    if algorithm == "off":
+        return tdist.all_gather(tensor_list, tensor, group, async_op)
     if algorithm != "hier" or _st.mpi is not None:
         return _flat_torch("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
-                           async_op)
+                           async_op, predicted if algorithm == "flat" else None)
     if _st.checks:
         _check("all_gather", tensor, _st.check_group)
 
@@ -525,7 +519,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         for i, t in enumerate(tensor_list):
             t.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view(tensor.shape))
 
-    return _run("all_gather", tensor, nbytes, "hier", None, fn, async_op, list(tensor_list))
+    return _run("all_gather", tensor, nbytes, "hier", predicted, fn, async_op, list(tensor_list))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = tdist.ReduceOp.SUM,  # noqa: A002
@@ -542,13 +536,16 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
         _check("reduce_scatter", input, _st.check_group, extra=list(_OPN).index(opn))
     if _st.mpi is not None and input.device.type == "cpu":
         return _run("reduce_scatter", input, nbytes, "flat@mpi", None,
-                    lambda: _st.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output])
-    algorithm, _ = _decide("reduce_scatter", nbytes, input.dtype)
+                    lambda: _st.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())
+    algorithm, predicted = _decide("reduce_scatter", nbytes, input.dtype, op)
+    if algorithm == "off":
+        return flat_fn(output, input, op, group, async_op)
     if algorithm == "hier" and output.is_contiguous():
-        return _run("reduce_scatter", input, nbytes, "hier", None,
+        return _run("reduce_scatter", input, nbytes, "hier", predicted,
                     lambda: alg.hierarchical_reduce_scatter(output, input, opn, _st.topology, groups=_st.groups),
-                    async_op, [output])
-    return _flat_torch("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op)
+                    async_op, [output], opn.lower())
+    return _flat_torch("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op,
+                       predicted if algorithm == "flat" else None, opn.lower())
 
 
 reduce_scatter_single = reduce_scatter_tensor

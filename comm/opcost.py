@@ -1,0 +1,152 @@
+"""Predicted time of all_gather, reduce_scatter and broadcast, flat (the backend's) and memrt's hierarchical.
+
+All-reduce's formulas live in :mod:`memrt.comm.costmodel`; these use the same building blocks (Hockney's
+alpha-beta model; ring and binomial-tree costs after Thakur, Rabenseifner and Gropp, "Optimization of
+Collective Communication Operations in MPICH", IJHPCA 19(1), 2005) and the same calibration (the
+probe's per-algorithm call overhead and efficiency, ``costmodel._calibrated``), so one link model
+decides every op. ``p`` ranks on ``m`` nodes of at most ``l`` ranks; sizes are the user's bytes:
+
+- all_gather: ``block`` = one rank's input (the output is ``p * block``);
+- reduce_scatter: ``nbytes`` = the whole input (each rank keeps ``nbytes / p``);
+- broadcast: ``nbytes`` = the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memrt.comm import costmodel as cm
+
+__all__ = ["flat_all_gather", "hierarchical_all_gather", "flat_reduce_scatter", "hierarchical_reduce_scatter",
+           "flat_broadcast", "hierarchical_broadcast", "HIER_BROADCAST_CHUNK_BYTES"]
+
+HIER_BROADCAST_CHUNK_BYTES = 4 * 1024 * 1024
+"""Chunk of memrt's pipelined hierarchical broadcast (algorithms.DEFAULT_CHUNK_BYTES)."""
+
+Nodes = tuple[tuple[int, ...], ...]
+
+
+def _shape(nodes: Nodes) -> tuple[int, int, int]:
+    return sum(len(n) for n in nodes), len(nodes), max(len(n) for n in nodes)
+
+
+def _ring_link(nodes: Nodes, model: cm.LinkModel) -> cm.TierLink:
+    """A ring over all ranks waits for its slowest edge: inter-node when there are several nodes (one flow)."""
+    if len(nodes) <= 1 or model.inter is None:
+        return model.intra
+    return cm._slowest(model.intra, model.inter)  # noqa: SLF001 - the same rule as flat_all_reduce
+
+
+def _timed(model: cm.LinkModel, algorithm: str, cost, nbytes: float) -> float:
+    """``cost(x)`` of the full size, split into alpha terms (``cost(0)``) and size terms, calibrated."""
+    lat = cost(0.0)
+    return cm._calibrated(model, algorithm, lat, cost(nbytes) - lat, nbytes)  # noqa: SLF001
+
+
+# ---------------------------------------------------------------- all_gather
+def flat_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
+    """The backend's ring over all ranks: T = (p-1) alpha + (p-1) block beta_slowest."""
+    p, _, _ = _shape(nodes)
+    link = _ring_link(nodes, model)
+    return _timed(model, "flat", lambda b: cm.ring_all_gather(p, p * b, link), block)
+
+
+def hierarchical_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
+    """Inter-node first (the l ranks of a node at once, sharing its link), then intra-node, then the
+    rearrangement into rank order (one copy of the output, charged like a local reduction):
+
+    T = AG_ring(m, m block, inter, shared) + AG_ring(l, l m block, intra) + p block gamma
+    """
+    p, m, l_ranks = _shape(nodes)
+    inter = model.tier("inter")
+
+    def cost(b: float) -> float:
+        return (cm.ring_all_gather(m, m * b, inter, shared=l_ranks > 1) + cm.ring_all_gather(l_ranks, l_ranks * m * b,
+                                                                                              model.intra)
+                + p * b * model.gamma_s_per_byte)
+
+    return _timed(model, "hier", cost, block)
+
+
+# ---------------------------------------------------------------- reduce_scatter
+def flat_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, backend: str = "gloo") -> float:
+    """The backend's reduce-scatter of the whole input. gloo runs ``reduce_scatter_tensor`` as an
+    all-reduce of the whole input (its profiler event is ``gloo:all_reduce`` with the input's shape,
+    torch 2.x): cost = the flat all-reduce. Other backends: ring reduce-scatter,
+    T = (p-1) alpha + (p-1)/p n (beta_slowest + gamma)."""
+    if backend == "gloo":
+        return cm.flat_all_reduce(nodes, nbytes, model)
+    p, _, _ = _shape(nodes)
+    link = _ring_link(nodes, model)
+    return _timed(model, "flat", lambda n: cm.ring_reduce_scatter(p, n, link, model.gamma_s_per_byte), nbytes)
+
+
+def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> float:
+    """Rearrangement of the input (one copy), intra-node reduce-scatter, then inter-node reduce-scatter of
+    this rank's 1/l (the l ranks of a node at once, sharing its link):
+
+    T = n gamma + RS(l, n, intra) + RS(m, n/l, inter, shared)
+    """
+    _, m, l_ranks = _shape(nodes)
+    gamma = model.gamma_s_per_byte
+    inter = model.tier("inter")
+
+    def cost(n: float) -> float:
+        return (n * gamma + cm.ring_reduce_scatter(l_ranks, n, model.intra, gamma)
+                + cm.ring_reduce_scatter(m, n / l_ranks, inter, gamma, shared=l_ranks > 1))
+
+    return _timed(model, "hier", cost, nbytes)
+
+
+# ---------------------------------------------------------------- broadcast
+def _tree_rounds(nodes: Nodes, src: int) -> list[bool]:
+    """Per round of a binomial tree over all ranks (root-relative order, as gloo's broadcast): whether
+    some edge of that round crosses nodes."""
+    node_of = {r: i for i, n in enumerate(nodes) for r in n}
+    order = sorted(node_of)
+    p = len(order)
+    root = order.index(src) if src in node_of else 0
+    rounds, dist = [], 1
+    while dist < p:
+        rounds.append(any(node_of[order[(v + root) % p]] != node_of[order[(v + dist + root) % p]]
+                          for v in range(dist) if v + dist < p))
+        dist <<= 1
+    return rounds
+
+
+def flat_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, src: int = 0) -> float:
+    """Binomial tree over all ranks from ``src`` (gloo's broadcast): ceil(log2 p) rounds, each
+    ``alpha + n beta`` of the slowest link one of its edges uses (Thakur et al. 2005, sec. 4.1)."""
+    inter = model.tier("inter")
+
+    def cost(n: float) -> float:
+        return sum((inter if crosses else model.intra).alpha_s + n * (inter if crosses else model.intra).beta(False)
+                   for crosses in _tree_rounds(nodes, src))
+
+    return _timed(model, "flat", cost, nbytes)
+
+
+def hierarchical_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> float:
+    """memrt's pipelined broadcast: each chunk goes across nodes (binomial tree over m nodes, one flow per
+    node) then inside each node (tree over l ranks); with K chunks of c bytes the stages overlap:
+
+    T = I(c) + A(c) + (K-1) max(I(c), A(c)),  I(x) = ceil(log2 m)(alpha + x beta)_inter,
+    A(x) = ceil(log2 l)(alpha + x beta)_intra
+    """
+    _, m, l_ranks = _shape(nodes)
+    inter = model.tier("inter")
+    lg_m = math.ceil(math.log2(m)) if m > 1 else 0
+    lg_l = math.ceil(math.log2(l_ranks)) if l_ranks > 1 else 0
+
+    def stage_i(x: float) -> float:
+        return lg_m * (inter.alpha_s + x * inter.beta(False))
+
+    def stage_a(x: float) -> float:
+        return lg_l * (model.intra.alpha_s + x * model.intra.beta(False))
+
+    def cost(n: float) -> float:
+        chunks = max(1, math.ceil(n / HIER_BROADCAST_CHUNK_BYTES))
+        c = n / chunks
+        return stage_i(c) + stage_a(c) + (chunks - 1) * max(stage_i(c), stage_a(c))
+
+    return _timed(model, "hier", cost, nbytes)
