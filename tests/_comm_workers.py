@@ -51,6 +51,29 @@ def other_collectives(rank: int, world: int) -> list[str]:
     for need in (("broadcast", "hier"), ("all_gather", "hier"), ("reduce_scatter", "hier")):
         if topo.is_uniform and need not in algos:
             fails.append(f"no CommRecord for {need}: {sorted(algos)}")
+    fails += _profiler_events(dist, world)
+    return fails
+
+
+def _profiler_events(dist, world: int) -> list[str]:
+    """Under torch.profiler each memrt call shows as one async event named as gloo names its own, with the
+    user's input shape, and none of memrt's internal sub-collectives shows (whatever algorithm ran)."""
+    fails: list[str] = []
+    x = torch.ones(3, 5)
+    calls = {"gloo:all_reduce": (lambda: dist.all_reduce(x.clone()), [[3, 5]]),
+             "gloo:broadcast": (lambda: dist.broadcast(x.clone(), src=1), [[3, 5]]),
+             "gloo:all_gather": (lambda: dist.all_gather_into_tensor(torch.empty(world * 3, 5), x), [[3, 5]]),
+             # gloo records reduce_scatter_tensor as an all-reduce of its input
+             "gloo:reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(3, 5), torch.ones(world * 3, 5)),
+                                     [[world * 3, 5]])}
+    for name, (call, shapes) in calls.items():
+        with torch.autograd.profiler.profile(record_shapes=True) as prof:
+            call()
+        events = [e for e in prof.function_events if e.name.startswith("gloo:")]
+        want = "gloo:all_reduce" if name == "gloo:reduce_scatter" else name
+        got = [(e.name, e.input_shapes, e.is_async) for e in events]
+        if got != [(want, shapes, True)]:
+            fails.append(f"profiler events of {name}: {got}, expected [({want!r}, {shapes}, True)]")
     return fails
 
 
