@@ -342,11 +342,13 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
 
     def job() -> None:
         try:
+            # quiet: a profiler that records every thread would otherwise show fn's sub-collectives
             if _st.health is not None:
-                with _st.health.inside(name):
+                with _st.health.inside(name), events.quiet():
                     fn()
             else:
-                fn()
+                with events.quiet():
+                    fn()
         except Exception as exc:  # noqa: BLE001
             _raise_diagnosed(name, exc)
         finally:
