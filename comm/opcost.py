@@ -99,29 +99,45 @@ def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel
 
 
 # ---------------------------------------------------------------- broadcast
-def _tree_rounds(nodes: Nodes, src: int) -> list[bool]:
-    """Per round of a binomial tree over all ranks (root-relative order, as gloo's broadcast): whether
-    some edge of that round crosses nodes."""
+def _tree_rounds(nodes: Nodes, src: int) -> list[int]:
+    """Per round of a binomial tree over all ranks (root-relative order, as gloo's broadcast): the most
+    edges of that round going from one node to one other node (0: the round stays inside nodes)."""
     node_of = {r: i for i, n in enumerate(nodes) for r in n}
     order = sorted(node_of)
     p = len(order)
     root = order.index(src) if src in node_of else 0
     rounds, dist = [], 1
     while dist < p:
-        rounds.append(any(node_of[order[(v + root) % p]] != node_of[order[(v + dist + root) % p]]
-                          for v in range(dist) if v + dist < p))
+        flows: dict[tuple[int, int], int] = {}
+        for v in range(min(dist, p - dist)):
+            a, b = node_of[order[(v + root) % p]], node_of[order[(v + dist + root) % p]]
+            if a != b:
+                flows[a, b] = flows.get((a, b), 0) + 1
+        rounds.append(max(flows.values(), default=0))
         dist <<= 1
     return rounds
 
 
+def _flow_beta(link: cm.TierLink, flows: int, local: int) -> float:
+    """Per-flow seconds/byte when ``flows`` flows cross one node's link at once: one flow alone gets
+    ``beta``; the probe's ``shared_beta`` is the per-flow figure with ``local`` flows, scaled linearly."""
+    if flows <= 1:
+        return link.beta(False)
+    return max(link.beta(False) * flows, link.beta(True) * flows / max(local, 1))
+
+
 def flat_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, src: int = 0) -> float:
     """Binomial tree over all ranks from ``src`` (gloo's broadcast): ceil(log2 p) rounds, each
-    ``alpha + n beta`` of the slowest link one of its edges uses (Thakur et al. 2005, sec. 4.1)."""
+    ``alpha + n beta`` of its slowest edge (Thakur et al. 2005, sec. 4.1); a round whose edges cross
+    from one node to another k at a time shares that link between k flows (``2 x`` one flow's time
+    with ``0,1;2,3`` and root 0: ranks 0 and 1 both send to the other node in the last round)."""
     inter = model.tier("inter")
+    local = max(len(n) for n in nodes)
+    rounds = _tree_rounds(nodes, src)
 
     def cost(n: float) -> float:
-        return sum((inter if crosses else model.intra).alpha_s + n * (inter if crosses else model.intra).beta(False)
-                   for crosses in _tree_rounds(nodes, src))
+        return sum(inter.alpha_s + n * _flow_beta(inter, flows, local) if flows else
+                   model.intra.alpha_s + n * model.intra.beta(False) for flows in rounds)
 
     return _timed(model, "flat", cost, nbytes)
 
