@@ -296,10 +296,12 @@ def _uniform(g: HierGroups) -> bool:
 
 
 def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topology, *,
-                            groups: HierGroups | None = None) -> torch.Tensor:
+                            groups: HierGroups | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
     """``out`` (world * inp.numel(), rank order) gathers every rank's ``inp``: inter-node first, then intra.
 
-    Equal nodes only (raises ValueError otherwise; the caller falls back to flat).
+    Pipelined over chunks of ``chunk_bytes`` of each rank's block: the inter-node all-gather of chunk
+    k+1 runs while chunk k is gathered inside the node and copied into place (temporaries stay chunk
+    sized). Equal nodes only (raises ValueError otherwise; the caller falls back to flat).
     """
     g = groups if groups is not None else torch_groups(topology)
     if not _uniform(g):
@@ -307,18 +309,41 @@ def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topo
     topo = g.topology
     m, k, nn = inp.numel(), topo.local_size, topo.num_nodes
     x = inp.reshape(-1).contiguous()
-    by_node = torch.empty(nn * m, dtype=x.dtype, device=x.device)
-    g.slot_tier.all_gather(by_node, x).wait()
-    if g.intra_ag is not None:
-        full = torch.empty(k * nn * m, dtype=x.dtype, device=x.device)
-        g.intra_ag.all_gather(full, by_node).wait()
-    else:
-        full = by_node
-    full = full.view(k, nn, m)
     o = out.view(-1)
-    for i, node in enumerate(topo.nodes):
-        for jj, r in enumerate(node):
-            o[r * m:(r + 1) * m].copy_(full[jj, i])
+    chunk = max(1, chunk_bytes // max(x.element_size(), 1))
+    inter_q: list[tuple[Any, torch.Tensor, int, int]] = []
+    intra_q: list[tuple[Any, torch.Tensor, int, int]] = []
+
+    def start_intra(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, by_node, c0, c1 = item
+        work.wait()
+        if g.intra_ag is None:
+            intra_q.append((None, by_node, c0, c1))
+            return
+        full = torch.empty(k * nn * (c1 - c0), dtype=x.dtype, device=x.device)
+        intra_q.append((g.intra_ag.all_gather(full, by_node), full, c0, c1))
+
+    def place(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, full, c0, c1 = item
+        if work is not None:
+            work.wait()
+        view = full.view(k if g.intra_ag is not None else 1, nn, c1 - c0)
+        for i, node in enumerate(topo.nodes):
+            for jj, r in enumerate(node):
+                o[r * m + c0:r * m + c1].copy_(view[jj if g.intra_ag is not None else 0, i])
+
+    for c0 in range(0, m, chunk):
+        c1 = min(m, c0 + chunk)
+        by_node = torch.empty(nn * (c1 - c0), dtype=x.dtype, device=x.device)
+        inter_q.append((g.slot_tier.all_gather(by_node, x[c0:c1]), by_node, c0, c1))
+        if len(inter_q) > 1:
+            start_intra(inter_q.pop(0))
+        if len(intra_q) > 1:
+            place(intra_q.pop(0))
+    while inter_q:
+        start_intra(inter_q.pop(0))
+    while intra_q:
+        place(intra_q.pop(0))
     return out
 
 

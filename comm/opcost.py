@@ -18,10 +18,10 @@ import math
 from memrt.comm import costmodel as cm
 
 __all__ = ["flat_all_gather", "hierarchical_all_gather", "flat_reduce_scatter", "hierarchical_reduce_scatter",
-           "flat_broadcast", "hierarchical_broadcast", "HIER_BROADCAST_CHUNK_BYTES"]
+           "flat_broadcast", "hierarchical_broadcast", "PIPELINE_CHUNK_BYTES"]
 
-HIER_BROADCAST_CHUNK_BYTES = 4 * 1024 * 1024
-"""Chunk of memrt's pipelined hierarchical broadcast (algorithms.DEFAULT_CHUNK_BYTES)."""
+PIPELINE_CHUNK_BYTES = 4 * 1024 * 1024
+"""Chunk of memrt's pipelined hierarchical broadcast and all-gather (algorithms.DEFAULT_CHUNK_BYTES)."""
 
 Nodes = tuple[tuple[int, ...], ...]
 
@@ -52,18 +52,26 @@ def flat_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
 
 
 def hierarchical_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
-    """Inter-node first (the l ranks of a node at once, sharing its link), then intra-node, then the
-    rearrangement into rank order (one copy of the output, charged like a local reduction):
+    """memrt's pipelined all-gather: per chunk of c bytes of each rank's block, inter-node first (the l
+    ranks of a node at once, sharing its link), then intra-node plus the copy into rank order (charged
+    like a local reduction); K chunks overlap as a two-stage pipeline:
 
-    T = AG_ring(m, m block, inter, shared) + AG_ring(l, l m block, intra) + p block gamma
+    T = I(c) + A(c) + (K-1) max(I(c), A(c)),  I(x) = AG_ring(m, m x, inter, shared),
+    A(x) = AG_ring(l, l m x, intra) + p x gamma
     """
     p, m, l_ranks = _shape(nodes)
     inter = model.tier("inter")
 
+    def stage_i(x: float) -> float:
+        return cm.ring_all_gather(m, m * x, inter, shared=l_ranks > 1)
+
+    def stage_a(x: float) -> float:
+        return cm.ring_all_gather(l_ranks, l_ranks * m * x, model.intra) + p * x * model.gamma_s_per_byte
+
     def cost(b: float) -> float:
-        return (cm.ring_all_gather(m, m * b, inter, shared=l_ranks > 1) + cm.ring_all_gather(l_ranks, l_ranks * m * b,
-                                                                                              model.intra)
-                + p * b * model.gamma_s_per_byte)
+        chunks = max(1, math.ceil(b / PIPELINE_CHUNK_BYTES))
+        c = b / chunks
+        return stage_i(c) + stage_a(c) + (chunks - 1) * max(stage_i(c), stage_a(c))
 
     return _timed(model, "hier", cost, block)
 
@@ -161,7 +169,7 @@ def hierarchical_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> 
         return lg_l * (model.intra.alpha_s + x * model.intra.beta(False))
 
     def cost(n: float) -> float:
-        chunks = max(1, math.ceil(n / HIER_BROADCAST_CHUNK_BYTES))
+        chunks = max(1, math.ceil(n / PIPELINE_CHUNK_BYTES))
         c = n / chunks
         return stage_i(c) + stage_a(c) + (chunks - 1) * max(stage_i(c), stage_a(c))
 

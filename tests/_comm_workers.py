@@ -45,6 +45,26 @@ def other_collectives(rank: int, world: int) -> list[str]:
                 fails.append(f"reduce_scatter {numel} {dtype} {op} vs reference")
             if not torch.allclose(out.float(), theirs.float(), rtol=0.1, atol=0.1):
                 fails.append(f"reduce_scatter {numel} {dtype} {op} vs torch")
+    # the hierarchical all-gather's pipeline: several chunks, the last one short (direct call, small chunks),
+    # and a block of more than one default chunk through the public call
+    if topo.is_uniform:
+        from memrt.comm import algorithms as alg
+        from memrt.comm.api import _st
+
+        for numel, chunk_bytes in ((30011, 4000), (3, 4), (0, 64)):
+            x = make_input(rank, numel, torch.float32, "SUM")
+            out = torch.full((world * numel,), float("nan"))
+            alg.hierarchical_all_gather(out, x, topo, groups=_st.groups, chunk_bytes=chunk_bytes)
+            want = torch.cat([make_input(r, numel, torch.float32, "SUM") for r in range(world)])
+            if not torch.equal(out, want):
+                fails.append(f"hierarchical all_gather {numel} elements in chunks of {chunk_bytes} B")
+        numel = (alg.DEFAULT_CHUNK_BYTES // 4) + 1001
+        x = make_input(rank, numel, torch.float32, "SUM")
+        out = torch.empty(world * numel)
+        dist.all_gather_into_tensor(out, x)
+        if not torch.equal(out, torch.cat([make_input(r, numel, torch.float32, "SUM") for r in range(world)])):
+            fails.append(f"all_gather_into_tensor {numel} float32 (two pipeline chunks)")
+
     from memrt.profiling.recorder import get_recorder
 
     algos = {(r.op, r.algorithm) for r in get_recorder().comm}
