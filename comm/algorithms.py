@@ -348,10 +348,13 @@ def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topo
 
 
 def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, topology: Topology, *,
-                                groups: HierGroups | None = None) -> torch.Tensor:
+                                groups: HierGroups | None = None,
+                                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
     """``out`` = this rank's block of ``inp`` (world blocks, rank order) reduced: intra-node, then inter-node.
 
-    Order: node_0 (op) node_1 ..., each node's ranks in local order. Equal nodes only.
+    Order: node_0 (op) node_1 ..., each node's ranks in local order. Equal nodes only. Pipelined over
+    chunks of ``chunk_bytes`` of each block: the intra-node exchange of chunk k+1 runs while chunk k is
+    reduced and exchanged across nodes (the order of every element's reduction does not change).
     """
     opn = op_name(op)
     check_reducible(inp, opn)
@@ -363,10 +366,46 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
     m = out.numel()
     blocks = inp.reshape(-1).view(topo.world_size, m)
     # slot-major layout: for local slot j, the blocks of ranks nodes[0][j], nodes[1][j], ...
-    order = [topo.nodes[i][jj] for jj in range(k) for i in range(nn)]
-    arranged = blocks[torch.tensor(order, device=blocks.device)].reshape(-1)
-    mine = ordered_reduce_scatter(g.intra_rs, arranged, opn) if g.intra_rs is not None else arranged
-    res = ordered_reduce_scatter(g.slot_tier, mine, opn)
+    order = torch.tensor([topo.nodes[i][jj] for jj in range(k) for i in range(nn)], device=blocks.device)
+    res = torch.empty(m, dtype=inp.dtype, device=inp.device)
+    chunk = max(1, chunk_bytes // max(inp.element_size(), 1))
+    intra_q: list[tuple[Any, torch.Tensor, int, int]] = []
+    inter_q: list[tuple[Any, torch.Tensor, int, int]] = []
+
+    def start_inter(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, got, c0, c1 = item
+        w = c1 - c0
+        if work is not None:  # this slot's nn * w elements from every local rank: reduce in local order
+            work.wait()
+            mine = torch.empty(nn * w, dtype=got.dtype, device=got.device)
+            _ordered_reduce(got.view(k, nn * w), mine, opn)
+        else:
+            mine = got
+        recv = torch.empty(nn * w, dtype=mine.dtype, device=mine.device)
+        inter_q.append((g.slot_tier.all_to_all(recv, mine, [w] * nn, [w] * nn), recv, c0, c1))
+
+    def finish(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, recv, c0, c1 = item
+        work.wait()
+        _ordered_reduce(recv.view(nn, c1 - c0), res[c0:c1], opn)  # node order
+
+    for c0 in range(0, m, chunk):
+        c1 = min(m, c0 + chunk)
+        w = c1 - c0
+        arranged = blocks[order, c0:c1].reshape(-1)
+        if g.intra_rs is not None:
+            got = torch.empty(k * nn * w, dtype=inp.dtype, device=inp.device)
+            intra_q.append((g.intra_rs.all_to_all(got, arranged, [nn * w] * k, [nn * w] * k), got, c0, c1))
+        else:
+            intra_q.append((None, arranged, c0, c1))
+        if len(intra_q) > 1:
+            start_inter(intra_q.pop(0))
+        if len(inter_q) > 1:
+            finish(inter_q.pop(0))
+    while intra_q:
+        start_inter(intra_q.pop(0))
+    while inter_q:
+        finish(inter_q.pop(0))
     if opn == "AVG":
         res.div_(topo.world_size)
     out.view(-1).copy_(res)

@@ -21,7 +21,8 @@ __all__ = ["flat_all_gather", "hierarchical_all_gather", "flat_reduce_scatter", 
            "flat_broadcast", "hierarchical_broadcast", "PIPELINE_CHUNK_BYTES"]
 
 PIPELINE_CHUNK_BYTES = 4 * 1024 * 1024
-"""Chunk of memrt's pipelined hierarchical broadcast and all-gather (algorithms.DEFAULT_CHUNK_BYTES)."""
+"""Chunk of memrt's pipelined hierarchical broadcast, all-gather and reduce-scatter (per rank's block for the
+last two; algorithms.DEFAULT_CHUNK_BYTES)."""
 
 Nodes = tuple[tuple[int, ...], ...]
 
@@ -90,18 +91,26 @@ def flat_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, bac
 
 
 def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> float:
-    """Rearrangement of the input (one copy), intra-node reduce-scatter, then inter-node reduce-scatter of
-    this rank's 1/l (the l ranks of a node at once, sharing its link):
+    """memrt's pipelined reduce-scatter: per chunk (x bytes of input: c bytes of each of the p blocks), a
+    copy into slot order, the intra-node exchange and reduction, then the inter-node exchange and reduction
+    of this rank's 1/l (the l ranks of a node at once, sharing its link); K chunks overlap:
 
-    T = n gamma + RS(l, n, intra) + RS(m, n/l, inter, shared)
+    T = A(x) + B(x) + (K-1) max(A(x), B(x)),  A(x) = x gamma + RS(l, x, intra),  B(x) = RS(m, x/l, inter, shared)
     """
-    _, m, l_ranks = _shape(nodes)
+    p, m, l_ranks = _shape(nodes)
     gamma = model.gamma_s_per_byte
     inter = model.tier("inter")
 
+    def stage_a(x: float) -> float:
+        return x * gamma + cm.ring_reduce_scatter(l_ranks, x, model.intra, gamma)
+
+    def stage_b(x: float) -> float:
+        return cm.ring_reduce_scatter(m, x / l_ranks, inter, gamma, shared=l_ranks > 1)
+
     def cost(n: float) -> float:
-        return (n * gamma + cm.ring_reduce_scatter(l_ranks, n, model.intra, gamma)
-                + cm.ring_reduce_scatter(m, n / l_ranks, inter, gamma, shared=l_ranks > 1))
+        chunks = max(1, math.ceil(n / p / PIPELINE_CHUNK_BYTES))
+        x = n / chunks
+        return stage_a(x) + stage_b(x) + (chunks - 1) * max(stage_a(x), stage_b(x))
 
     return _timed(model, "hier", cost, nbytes)
 

@@ -58,6 +58,15 @@ def other_collectives(rank: int, world: int) -> list[str]:
             want = torch.cat([make_input(r, numel, torch.float32, "SUM") for r in range(world)])
             if not torch.equal(out, want):
                 fails.append(f"hierarchical all_gather {numel} elements in chunks of {chunk_bytes} B")
+        for numel, chunk_bytes in ((30011, 4000), (3, 4), (0, 64)):  # reduce-scatter's pipeline, same order
+            for op in ("SUM", "AVG", "MAX"):
+                big = make_input(rank, numel * world, torch.float32, op)
+                out = torch.full((numel,), float("nan"))
+                alg.hierarchical_reduce_scatter(out, big, op, topo, groups=_st.groups, chunk_bytes=chunk_bytes)
+                ref = reference([make_input(r, numel * world, torch.float32, op) for r in range(world)], topo.nodes,
+                                op)
+                if not torch.equal(out, ref[rank * numel:(rank + 1) * numel]):
+                    fails.append(f"hierarchical reduce_scatter {numel} {op} in chunks of {chunk_bytes} B")
         numel = (alg.DEFAULT_CHUNK_BYTES // 4) + 1001
         x = make_input(rank, numel, torch.float32, "SUM")
         out = torch.empty(world * numel)
