@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from memrt.comm.api import (AUTO_MIN_BYTES, MemrtWork, all_gather, all_gather_into_tensor, all_gather_single,
+from memrt.comm.api import (MemrtWork, all_gather, all_gather_into_tensor, all_gather_single,
                             all_reduce, broadcast, destroy_process_group, get_topology, init_process_group, prepare,
                             reduce_scatter_single, reduce_scatter_tensor, set_checks, setup_topology)
 from memrt.comm.ddp_hook import DDPHookState, ddp_comm_hook, register_ddp_hook
@@ -22,7 +22,7 @@ from memrt.comm.health import CollectiveMismatchError, PeerFailureError
 from memrt.comm.topology import Topology
 
 __all__ = [
-    "AUTO_MIN_BYTES", "CollectiveMismatchError", "DDPHookState", "MemrtWork", "PeerFailureError", "Topology",
+    "CollectiveMismatchError", "DDPHookState", "MemrtWork", "PeerFailureError", "Topology",
     "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_reduce_coalesced", "broadcast",
     "ddp_comm_hook", "explain",
     "destroy_process_group", "get_topology", "init_process_group", "prepare", "reduce_scatter_single",
