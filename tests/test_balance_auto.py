@@ -82,7 +82,7 @@ def _allclose(a, b, rtol=1e-4, atol=1e-6) -> bool:
 
 
 def test_shares_follow_the_measured_speeds(runs):
-    from memrt.balance.shares import decide_shares
+    from memrt.balance.shares import affine_shares
 
     r0, r1 = runs["memrt"]["ranks"]
     assert len(set(r0["sizes"])) > 1, "the slow rank's job was never balanced"
@@ -93,7 +93,9 @@ def test_shares_follow_the_measured_speeds(runs):
     changed = [d for d in reports[0]["decisions"] if d["changed"]]
     assert changed and changed[0]["reduction"] == "mean"
     d = changed[0]
-    assert tuple(d["shares"]) == decide_shares(32, d["samples_per_s"], d["max_samples"]).per_rank
+    models = [tuple(m) for m in d["step_models"]]  # each rank's compute seconds per step: a + c * samples
+    assert tuple(d["shares"]) == affine_shares(32, models, d["max_samples"]).per_rank
+    assert models[1][1] > models[0][1]  # the slowed rank needs more seconds per sample
     assert d["samples_per_s"][0] > d["samples_per_s"][1] and d["predicted_gain"] > 0.05
     assert reports[0]["shares"] == changed[-1]["shares"]
     assert "memrt: balance: step" in runs["memrt"]["stderr"] and "memrt: balance (auto): shares" in runs["memrt"]["stderr"]

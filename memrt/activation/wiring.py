@@ -167,8 +167,7 @@ def balance_dataloader(sess: Session, arguments: dict[str, Any]) -> dict[str, An
     batch_size, drop_last = arguments.get("batch_size", 1), bool(arguments.get("drop_last", False))
     reason = unbalanced_reason(arguments.get("dataset"), sampler, batch_sampler, batch_size)
     if reason is not None:
-        if sampler is not None or batch_sampler is not None or reason.startswith("an iterable"):
-            ctl.skip_loader(reason)
+        ctl.skip_loader(reason)
         return None
     share = balanced_sampler_for(sampler, batch_sampler, batch_size, drop_last)
     if share.world != sess.world_size:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,8 +34,9 @@ from datetime import timedelta
 from typing import Any
 
 from memrt.balance.loader import ShareSampler
-from memrt.balance.reduction import MEAN, SUM, UNKNOWN, classify_loss
-from memrt.balance.shares import decide_shares, predicted_step_seconds, uniform_shares
+from memrt.balance.reduction import MEAN, SUM, UNKNOWN, classify_loss, describe_loss
+from memrt.balance.shares import (Shares, affine_shares, affine_step_seconds, fit_step_time,
+                                  uniform_shares)
 
 __all__ = ["AutoBalanceConfig", "Controller", "BalanceHookState", "balanced_hook"]
 
@@ -122,6 +124,7 @@ class Controller:
         self.enabled = True
         self.decisions: list[dict[str, Any]] = []
         self.reductions: set[str] = set()
+        self._unknown_root = ""
         self.hook_seconds = 0.0
         self._timed = False
         self._in_step = False
@@ -130,6 +133,8 @@ class Controller:
         self._cuda = False
         self._pending_events: list[tuple[Any, Any, int, float]] = []
         self._window: list[_Timing] = []
+        self._by_size: dict[int, deque[float]] = {}
+        """Local samples per step -> recent compute seconds of such steps (for the step-time model)."""
         self._hook_before_last = 0.0
         self._skip = config.warmup_steps
         self._next_check = config.first_check
@@ -228,7 +233,7 @@ class Controller:
             self._pending_events.append((start, end, n, hooks))
             self._resolve_events()
         else:
-            self._window.append(_Timing(samples=n, seconds=max(1e-9, end - start - hooks)))
+            self._add(n, max(1e-9, end - start - hooks))
 
     def _resolve_events(self, wait: bool = False) -> None:
         keep = []
@@ -236,10 +241,22 @@ class Controller:
             if wait:
                 end.synchronize()
             if end.query():
-                self._window.append(_Timing(samples=n, seconds=max(1e-9, start.elapsed_time(end) / 1000.0 - _hook_s)))
+                self._add(n, max(1e-9, start.elapsed_time(end) / 1000.0 - _hook_s))
             else:
                 keep.append((start, end, n, _hook_s))
         self._pending_events = keep
+
+    def _add(self, n: int, seconds: float) -> None:
+        self._window.append(_Timing(samples=n, seconds=seconds))
+        self._by_size.setdefault(n, deque(maxlen=8)).append(seconds)
+        while len(self._by_size) > 3:  # the three most recent sizes describe the current speed
+            self._by_size.pop(next(iter(self._by_size)))
+        self._by_size[n] = self._by_size.pop(n)  # most recent last
+
+    def step_model(self) -> tuple[float, float] | None:
+        """(a, c) of this rank's compute time per step, a + c * samples, from recent steps."""
+        points = [(n, t) for n, ts in self._by_size.items() for t in ts]
+        return fit_step_time(points)
 
     def samples_per_s(self) -> float | None:
         if self._cuda:
@@ -251,9 +268,12 @@ class Controller:
     def observe_backward(self, tensors: Any) -> None:
         """``torch.autograd.backward``'s first argument: what kind of reduction the loss has."""
         try:
-            self.reductions.add(classify_loss(tensors))
+            kind = classify_loss(tensors)
+            if kind == UNKNOWN and not self._unknown_root:
+                self._unknown_root = describe_loss(tensors)
         except Exception:  # noqa: BLE001 - never break the user's backward
-            self.reductions.add(UNKNOWN)
+            kind = UNKNOWN
+        self.reductions.add(kind)
 
     # -------------------------------------------------------------------------------------- exchange
     def _mine(self) -> dict[str, Any]:
@@ -266,8 +286,8 @@ class Controller:
                 self._warn_once(f"memory bound unavailable ({exc}): shares are not bounded by the budget")
         kinds = self.reductions or {UNKNOWN}
         return {
-            "sps": self.samples_per_s(), "bound": bound,
-            "reduction": kinds.pop() if len(kinds) == 1 else UNKNOWN,
+            "sps": self.samples_per_s(), "model": self.step_model(), "bound": bound,
+            "reduction": kinds.pop() if len(kinds) == 1 else UNKNOWN, "root": self._unknown_root,
             "accum": self._accum,
             "loaders": [[s.iteration, s.drawn, s.consumed, s.trained, s.full_batch()] for s in self.loaders],
         }
@@ -307,11 +327,13 @@ class Controller:
     def _decide(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         """The same decision on every rank from the same gathered figures."""
         speeds = [p["sps"] for p in everyone]
+        models = [tuple(p["model"]) if p["model"] else None for p in everyone]
         bounds = [p["bound"] for p in everyone]
-        out: dict[str, Any] = {"step": self.steps, "samples_per_s": speeds, "max_samples": bounds,
+        out: dict[str, Any] = {"step": self.steps, "samples_per_s": speeds, "step_models": models,
+                               "max_samples": bounds,
                                "changed": False, "shares": None, "predicted_gain": 0.0, "reason": ""}
         kinds = {p["reduction"] for p in everyone}
-        if any(s is None or s <= 0 for s in speeds):
+        if any(s is None or s <= 0 for s in speeds) or any(m is None for m in models):
             out["reason"] = "speeds not measured yet"
             return out
         counts = {len(p["loaders"]) for p in everyone}
@@ -333,8 +355,10 @@ class Controller:
             kind = MEAN
             out["assumed"] = "loss reduction unknown: taken as a mean (MEMRT_BALANCE=on)"
         else:
-            out["reason"] = (f"the loss reduction cannot be known (seen: {', '.join(sorted(kinds))}): memrt sees only "
-                             "the tensor backward() starts from; MEMRT_BALANCE=on balances assuming a mean-reduced loss")
+            roots = sorted({p["root"] for p in everyone if p.get("root")})
+            out["reason"] = (f"the loss reduction cannot be known (seen: {', '.join(sorted(kinds))}"
+                             f"{'; backward from ' + roots[0] if roots else ''}): memrt sees only the tensor "
+                             "backward() starts from; MEMRT_BALANCE=on balances assuming a mean-reduced loss")
             out["warn"] = pays and "reduction" not in self._warned
             self._warned.add("reduction")
             return out
@@ -348,19 +372,18 @@ class Controller:
             B = rows[0][4]
             sampler = self.loaders[i]
             current = sampler.shares_now()
-            current_shares = uniform_shares(B, self.world) if current is None else None
-            if current is not None:
-                from memrt.balance.shares import Shares
-
-                current_shares = Shares(per_rank=tuple(current), global_batch=B)
+            current_shares = (uniform_shares(B, self.world) if current is None
+                              else Shares(per_rank=tuple(current), global_batch=B))
             try:
-                proposal = decide_shares(B, speeds, bounds)
+                proposal = affine_shares(B, models, bounds)
             except ValueError as exc:
                 out["reason"] = str(exc)
                 continue
-            gain = 1.0 - predicted_step_seconds(proposal, speeds) / predicted_step_seconds(current_shares, speeds)
+            gain = 1.0 - affine_step_seconds(proposal, models) / affine_step_seconds(current_shares, models)
             over = any(m is not None and b > m for b, m in zip(current_shares.per_rank, bounds))
             min_gain = 0.0 if self.config.mode == "on" else self.config.min_gain
+            if current is not None:  # moving between balanced splits: twice the gain (no flapping on noise)
+                min_gain *= 2
             leaving_stock = current is None
             adopt = proposal != current_shares and (over or (gain > min_gain and (pays or not leaving_stock)))
             if adopt and leaving_stock and not over and self.config.mode == "auto" and not self._confirmed:

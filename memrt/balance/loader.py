@@ -152,7 +152,7 @@ def unbalanced_reason(dataset: Any, sampler: Any, batch_sampler: Any, batch_size
             return None
         return f"a custom batch_sampler ({type(batch_sampler).__name__})"
     if not isinstance(sampler, DistributedSampler):
-        return None if sampler is None else f"no DistributedSampler (sampler {type(sampler).__name__})"
+        return "no DistributedSampler" + ("" if sampler is None else f" (sampler {type(sampler).__name__})")
     if type(sampler).__iter__ is not DistributedSampler.__iter__:
         return f"{type(sampler).__name__} overrides DistributedSampler.__iter__ (its rank split is unknown)"
     if batch_size is None or int(batch_size) < 1:
