@@ -3,7 +3,7 @@
 Rank 1 is slowed by a sleep per sample in forward (the scripts' BALANCE_JOB_DELAY; no root needed). Each
 framework: one stock launch and one MEMRT=1 launch; the MEMRT=1 one must end with uneven shares that
 favour the fast rank (in its batch sizes and in both rank reports), the same final parameters as stock
-(rtol 1e-4) and, for accelerate, the same sample set at every step.
+(rtol 1e-4) and the same sample set at every step.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def test_hf_trainer_job_is_balanced(tmp_path):
     memrt = _launch(tmp_path, "hf_trainer_job.py", "memrt", {"MEMRT": "1", "MEMRT_REPORT_DIR": str(tmp_path / "r")},
                     "--steps", "36")
     _check_balanced(memrt, tmp_path / "r")
+    unions = [[sorted(a + b) for a, b in zip(run["ranks"][0]["rows"], run["ranks"][1]["rows"])]
+              for run in (memrt, stock)]
+    assert unions[0] == unions[1]  # the same samples (fingerprints of their token ids) at every step
     assert _allclose(memrt["params"], stock["params"])
 
 

@@ -99,7 +99,7 @@ class _Replay:
         self.sampler = getattr(like, "sampler", None)
 
     def __iter__(self):
-        return iter(self._batches)
+        return iter([list(b) for b in self._batches])  # fresh lists: the shard's padding extends them in place
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -114,7 +114,11 @@ class _AccelerateSource:
         self.shard = shard
         self.world = int(shard.num_processes)
         self.rank = int(shard.process_index)
-        self.sampler = getattr(shard.batch_sampler, "sampler", None)
+
+    @property
+    def sampler(self) -> Any:
+        """The shared sampler, read live (accelerate's ``set_sampler`` swaps it after construction)."""
+        return getattr(self.shard.batch_sampler, "sampler", None)
 
     def full_batch(self) -> int:
         b = int(self.shard.batch_size)
@@ -200,6 +204,7 @@ class ShareSampler:
         self.current: tuple[float, int] | None = None
         """(gradient factor, samples) of the batch most recently handed to the training loop."""
         self.samples_seen = 0
+        self._uneven_warned = False
 
     # --------------------------------------------------------------------------------------- schedule
     def full_batch(self) -> int:
@@ -248,8 +253,10 @@ class ShareSampler:
         per_rank = self.source.per_rank_batches()
         steps = min(len(b) for b in per_rank)
         if any(len(b) != steps for b in per_rank):  # sources whose ranks differ: stock batches, stock counts
-            logger.warning("memrt: ranks get different numbers of batches from this %s; keeping its own split",
-                           self.source.kind)
+            if not self._uneven_warned:
+                self._uneven_warned = True
+                logger.warning("memrt: ranks get different numbers of batches from this %s; keeping its own split",
+                               self.source.kind)
             for batch in per_rank[self.rank]:
                 self._pending.append((1.0, len(batch)))
                 self.drawn += 1
@@ -275,6 +282,13 @@ class ShareSampler:
         n = per_rank[self.rank]
         factor = n * self.world / total if weighting == "mean" else 1.0
         return glob[lo:lo + n], factor
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else is the wrapped object's (accelerate reads ``batch_sampler``, ``num_processes``, ...)."""
+        source = self.__dict__.get("source")
+        if source is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(getattr(source, "shard", None) or source.sampler, name)
 
     def note_consumed(self) -> None:
         """The training loop received the next batch (in draw order)."""

@@ -3,7 +3,8 @@
     MEMRT=1 torchrun --standalone --nproc-per-node 2 tests/scripts/hf_trainer_job.py --out run
 
 ``BALANCE_JOB_DELAY="1=0.002"`` makes rank 1 sleep 2 ms per sample in forward (a slow rank without root).
-Each rank writes ``<out>.rank<N>.json``: the batch size of every training forward; rank 0 saves the final
+Each rank writes ``<out>.rank<N>.json``: the batch size of every training forward and a fingerprint of each of its
+samples (position-weighted token sums); rank 0 saves the final
 parameters to ``<out>.params.pt``.
 """
 
@@ -46,13 +47,14 @@ def main():
                         intermediate_size=64, max_position_embeddings=32, num_labels=2,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertForSequenceClassification(config)
-    sizes = []
+    sizes, rows = [], []
 
     def note(_m, a, kw, _out):
         ids = kw.get("input_ids") if kw else None
         ids = ids if ids is not None else a[0]
         if torch.is_grad_enabled():
             sizes.append(int(ids.shape[0]))
+            rows.append(sorted(int(v) for v in (ids * torch.arange(1, ids.shape[1] + 1)).sum(1)))
             if delay:
                 time.sleep(delay * ids.shape[0])
 
@@ -63,7 +65,7 @@ def main():
     trainer = Trainer(model=model, args=targs, train_dataset=Pairs(400))
     trainer.train()
     with open(f"{args.out}.rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "sizes": sizes}, f)
+        json.dump({"rank": rank, "sizes": sizes, "rows": rows}, f)
     if rank == 0:
         torch.save([p.detach().clone() for p in model.parameters()], f"{args.out}.params.pt")
 
