@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--iterable", action="store_true")
     p.add_argument("--loss", choices=("mean", "sum"), default="mean")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -99,7 +100,7 @@ def main() -> None:
     if delay:
         model.register_forward_hook(lambda _m, inputs, _out: time.sleep(delay * inputs[0].shape[0]))
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     sampler = None
     if args.iterable:
         loader = DataLoader(PointStream(data, rank, world), batch_size=args.batch, num_workers=args.workers)
