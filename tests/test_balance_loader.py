@@ -175,8 +175,13 @@ class _Store:
 
 def _controller(mode="auto"):
     ctl = Controller(store=_Store(), rank=0, world=2, config=AutoBalanceConfig(mode=mode))
-    ctl.add_loader(_share(64, 2, 8, True, False, False, 0))
+    share = _share(64, 2, 8, True, False, False, 0)
+    ctl.add_loader(share)  # the controller holds it weakly, as its DataLoader would hold it strongly
+    _KEEP.append(share)
     return ctl
+
+
+_KEEP: list = []
 
 
 def _figures(models, reduction="mean", drawn=3):
@@ -200,6 +205,24 @@ def test_decisions_need_a_confirmed_imbalance_a_known_reduction_and_a_gain():
     assert on["changed"] and on["assumed"]  # MEMRT_BALANCE=on: no confirmation, a mean assumed
 
 
+def test_a_dropped_dataloader_leaves_the_controller():
+    ctl = Controller(store=_Store(), rank=0, world=2, config=AutoBalanceConfig())
+    ctl.add_loader(_share(64, 2, 8, True, False, False, 0))
+    assert ctl.loaders == [None] and ctl._mine()["loaders"][0][0] == -2  # noqa: SLF001
+
+
 def test_report_of_a_controller_without_decisions():
     r = _controller().report()
     assert r["shares"] is None and r["decisions"] == [] and r["mode"] == "auto"
+
+
+def test_memory_bound_goes_into_the_exchange_and_caps_the_shares():
+    ctl = _controller()
+    ctl.memory_bound = lambda local: 10  # this rank's budget holds 10 samples per step
+    ctl._step_samples = 8  # noqa: SLF001
+    assert ctl._mine()["bound"] == 10  # noqa: SLF001
+    figures = _figures([(0.0, 0.001), (0.0, 0.004)])
+    figures[0]["bound"] = 10
+    ctl._confirmed = True  # noqa: SLF001
+    d = ctl._decide(figures)  # noqa: SLF001
+    assert d["changed"] and d["shares"] == [10, 6]  # speeds alone would give 13 / 3

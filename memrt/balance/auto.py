@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections import deque
 import sys
 import time
@@ -116,7 +117,8 @@ class Controller:
         self.config = config
         self.memory_bound = memory_bound
         """Callable (current local samples) -> most samples per step this rank's budget holds, or None."""
-        self.loaders: list[ShareSampler] = []
+        self._loaders: list[weakref.ref[ShareSampler]] = []
+        """Share samplers in creation order (the same order on every rank); weak: a dropped DataLoader goes."""
         self.skipped: dict[str, int] = {}
         """Why DataLoaders were left as they are -> how many."""
         self.steps = 0
@@ -149,7 +151,12 @@ class Controller:
 
     # ------------------------------------------------------------------------------------ DataLoaders
     def add_loader(self, sampler: ShareSampler) -> None:
-        self.loaders.append(sampler)
+        self._loaders.append(weakref.ref(sampler))
+
+    @property
+    def loaders(self) -> list[ShareSampler | None]:
+        """The share samplers by creation index; None where the DataLoader is gone."""
+        return [ref() for ref in self._loaders]
 
     def skip_loader(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -202,6 +209,8 @@ class Controller:
         """Loaders whose batches were consumed since the last all-reduce fed this step."""
         factors, samples, consumed = set(), 0, 0
         for i, s in enumerate(self.loaders):
+            if s is None:
+                continue
             mark = (s.iteration, s.consumed)
             if mark != self._marks.get(i) and s.current is not None:
                 s.trained = True
@@ -289,7 +298,8 @@ class Controller:
             "sps": self.samples_per_s(), "model": self.step_model(), "bound": bound,
             "reduction": kinds.pop() if len(kinds) == 1 else UNKNOWN, "root": self._unknown_root,
             "accum": self._accum,
-            "loaders": [[s.iteration, s.drawn, s.consumed, s.trained, s.full_batch()] for s in self.loaders],
+            "loaders": [[-2, 0, 0, False, 0] if s is None else [s.iteration, s.drawn, s.consumed, s.trained,
+                                                                  s.full_batch()] for s in self.loaders],
         }
 
     def _exchange(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
@@ -322,7 +332,7 @@ class Controller:
 
     def _lag_steps(self) -> int:
         """Batches already drawn ahead of the training loop (prefetch): new shares arrive that much later."""
-        return max((s.drawn - s.consumed for s in self.loaders if s.trained), default=0)
+        return max((s.drawn - s.consumed for s in self.loaders if s is not None and s.trained), default=0)
 
     def _decide(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         """The same decision on every rank from the same gathered figures."""
@@ -371,6 +381,8 @@ class Controller:
                 continue
             B = rows[0][4]
             sampler = self.loaders[i]
+            if sampler is None:
+                continue
             current = sampler.shares_now()
             current_shares = (uniform_shares(B, self.world) if current is None
                               else Shares(per_rank=tuple(current), global_batch=B))
@@ -426,7 +438,7 @@ class Controller:
                 "shares": last["shares"] if last else None,
                 "samples_per_s": self.decisions[-1]["samples_per_s"] if self.decisions else None,
                 "decisions": self.decisions,
-                "local_samples": [s.samples_seen for s in self.loaders],
+                "local_samples": [None if s is None else s.samples_seen for s in self.loaders],
                 "config": asdict(self.config)}
 
 

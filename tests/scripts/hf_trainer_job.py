@@ -3,9 +3,8 @@
     MEMRT=1 torchrun --standalone --nproc-per-node 2 tests/scripts/hf_trainer_job.py --out run
 
 ``BALANCE_JOB_DELAY="1=0.002"`` makes rank 1 sleep 2 ms per sample in forward (a slow rank without root).
-Each rank writes ``<out>.rank<N>.json``: the batch size of every training forward and a fingerprint of each of its
-samples (position-weighted token sums); rank 0 saves the final
-parameters to ``<out>.params.pt``.
+Each rank writes ``<out>.rank<N>.json``: the batch size of every training forward and a fingerprint of each
+of its samples (position-weighted token sums); rank 0 saves the final parameters to ``<out>.params.pt``.
 """
 
 import argparse
