@@ -19,10 +19,13 @@ from memrt.cluster.cpucap import can_cap, remove_stale_caps
 __all__ = ["SCENARIOS", "run_job", "print_job_table"]
 
 JOB = Path(__file__).resolve().parent / "balance_job.py"
+# Capping needs the host's /sys/fs/cgroup, which `ip netns exec` hides: cap first, then enter the namespace.
 _SHIM = ("import os, sys\n"
          "from memrt.cluster.cpucap import cap_from_setting\n"
          "cap_from_setting(int(os.environ['RANK']))\n"
-         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+         "ns = os.environ.pop('BALANCE_NETNS', '')\n"
+         "argv = [sys.executable, *sys.argv[1:]]\n"
+         "os.execvp('ip', ['ip', 'netns', 'exec', ns, *argv]) if ns else os.execv(sys.executable, argv)\n")
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "pair": {"caps": [1.0, 0.5], "nodes": [[0, 1]]},
@@ -49,7 +52,17 @@ def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool)
 
 def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None) -> list[dict]:
     argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out)]
-    outputs = launch_ranks(argv, nodes=nodes, cluster=cluster, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900)
+    node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+
+    def placement(rank: int) -> dict[str, str]:  # the namespace of the rank's node, entered by the shim
+        if cluster is None:
+            return {}
+        i = node_of[rank]
+        return {"BALANCE_NETNS": cluster.nodes[i], "GLOO_SOCKET_IFNAME": cluster.ifaces[i],
+                "MASTER_ADDR": cluster.addrs[0]}
+
+    outputs = launch_ranks(argv, nodes=nodes, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900,
+                           rank_env=placement)
     bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
     if bad:
         raise RuntimeError(f"rank {bad[0][0]} exited {bad[0][1]}: {bad[0][2][-2000:]}")
@@ -74,15 +87,12 @@ def run_job(name: str, quick: bool, priority: float = 1.0) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=f"memrt-bal-{name}-"))
     base = {k: "" for k in ("MEMRT", "MEMRT_BALANCE")}
     cluster = None
-    topology = {}
+    topology = {"MEMRT_TOPOLOGY": ";".join(",".join(map(str, n)) for n in nodes)} if len(nodes) > 1 else {}
     if sc.get("cluster"):
         from memrt.cluster import EmulatedCluster, can_emulate
 
-        ok, _ = can_emulate()
-        if ok:
+        if can_emulate()[0]:
             cluster = EmulatedCluster("1gbit")
-        else:
-            topology = {"MEMRT_TOPOLOGY": ";".join(",".join(map(str, n)) for n in nodes)}
     try:
         # standalone: every rank alone, all at once (the same caps, the same contention for cores)
         speeds: dict[int, float] = {}

@@ -13,7 +13,7 @@ decisions fall inside it). Final loss (the whole dataset, final model) and param
 - ``pair``: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root);
 - ``quad``: 4 ranks capped at 1/1/0.5/0.25 CPU;
 - ``uneven``: 4 ranks on the emulated cluster's two namespaces, 3+1 (ranks 0-2 | rank 3, 1 Gbit/s link),
-  rank 3 capped at 0.5 CPU (root; without namespaces it runs on loopback with ``MEMRT_TOPOLOGY=0,1,2;3``).
+  rank 3 capped at 0.5 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
 Without root the caps become a sleep per sample in forward (``BALANCE_JOB_DELAY``), printed as such.
 
 API scenarios (the ``SpeedBalancer`` API in one process group, stock DDP alternating with it):
