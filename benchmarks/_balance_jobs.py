@@ -29,6 +29,7 @@ _SHIM = ("import os, sys\n"
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "pair": {"caps": [1.0, 0.5], "nodes": [[0, 1]]},
+    "equal": {"caps": [1.0, 1.0], "nodes": [[0, 1]]},
     "quad": {"caps": [1.0, 1.0, 0.5, 0.25], "nodes": [[0, 1, 2, 3]]},
     "uneven": {"caps": [1.0, 1.0, 1.0, 0.5], "nodes": [[0, 1, 2], [3]], "cluster": True},
 }
@@ -76,8 +77,11 @@ def _samples_per_s(ranks: list[dict]) -> float:
     return sum(r["timed_local_samples"] for r in ranks) / ranks[0]["timed_seconds"]
 
 
-def run_job(name: str, quick: bool, priority: float = 1.0) -> dict[str, Any]:
-    """One scenario: standalone speeds (all ranks at once, one-rank jobs), stock DDP, MEMRT=1; returns the row."""
+def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> dict[str, Any]:
+    """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 alternately
+    ``repeats`` times (medians reported); returns the row."""
+    import statistics
+
     import torch
 
     sc = SCENARIOS[name]
@@ -115,18 +119,23 @@ def run_job(name: str, quick: bool, priority: float = 1.0) -> dict[str, Any]:
         env, how = _cap_env(caps, list(range(world)), priority, capped)
         if cluster is not None:
             cluster.__enter__()
-        stock = _launch(nodes, {**base, **env}, tmp / "stock", quick, cluster)
-        memrt = _launch(nodes, {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(tmp / "report")},
-                        tmp / "memrt", quick, cluster)
+        stock_sps, memrt_sps = [], []
+        for i in range(repeats):
+            stock = _launch(nodes, {**base, **env}, tmp / "stock", quick, cluster)
+            report = tmp / f"report{i}"
+            memrt = _launch(nodes, {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)},
+                            tmp / "memrt", quick, cluster)
+            stock_sps.append(_samples_per_s(stock))
+            memrt_sps.append(_samples_per_s(memrt))
     finally:
         if cluster is not None:
             cluster.close()
         if capped:
             remove_stale_caps()
     bound = sum(speeds.values())
-    sps_stock, sps_memrt = _samples_per_s(stock), _samples_per_s(memrt)
+    sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)
     p_stock, p_memrt = torch.load(f"{tmp}/stock.params.pt"), torch.load(f"{tmp}/memrt.params.pt")
-    reports = sorted((tmp / "report").glob("rank*.json"))
+    reports = sorted(report.glob("rank*.json"))
     balance = json.loads(reports[0].read_text())["meta"]["activation"]["balance"] if reports else None
     loss_s, loss_m = stock[0]["final_loss"], memrt[0]["final_loss"]
     return {
@@ -134,7 +143,7 @@ def run_job(name: str, quick: bool, priority: float = 1.0) -> dict[str, Any]:
         "caps": caps, "slowdown": how, "cap_unavailable": None if capped else why,
         "standalone_samples_per_s": [speeds[r] for r in range(world)], "bound_samples_per_s": bound,
         "stock_samples_per_s": sps_stock, "memrt_samples_per_s": sps_memrt,
-        "memrt_over_stock": sps_memrt / sps_stock, "memrt_over_bound": sps_memrt / bound,
+        "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps, "memrt_over_bound": sps_memrt / bound,
         "stock_over_bound": sps_stock / bound,
         "final_loss_stock": loss_s, "final_loss_memrt": loss_m, "loss_rel_diff": abs(loss_m - loss_s) / abs(loss_s),
         "params_allclose_rtol_1e-4": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p_memrt, p_stock)),

@@ -1,8 +1,8 @@
 """Mixed cluster: an unchanged DDP job under MEMRT=1 against stock DDP and the bound, and the memrt.balance API.
 
-    cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster                    # job scenarios pair, quad, uneven
+    cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster                    # job scenarios pair, equal, quad, uneven
     cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --quick            # shorter
-    ... --scenario pair|quad|uneven|api-pair|api-mixed|all --out DIR  # DIR/mixed_cluster.json (./benchmark-results)
+    ... --scenario pair|equal|quad|uneven|api-pair|api-mixed|all --repeats 3 --out DIR  # DIR/mixed_cluster.json
     cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --gpu-check  # CUDA side (gpu_check.sh)
 
 Job scenarios (``benchmarks/balance_job.py``: DistributedSampler + DataLoader(batch_size=b), an MLP, SGD; it
@@ -11,6 +11,7 @@ each as its own one-rank job: nobody waits for anybody), stock DDP, and ``MEMRT=
 bound is the sum of the standalone speeds. Samples/s count the steps after ``--warmup`` (memrt's first
 decisions fall inside it). Final loss (the whole dataset, final model) and parameters of MEMRT=1 vs stock:
 - ``pair``: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root);
+- ``equal``: 2 ranks, no cap (MEMRT=1 must not be slower than stock: no balancing when it would not pay);
 - ``quad``: 4 ranks capped at 1/1/0.5/0.25 CPU;
 - ``uneven``: 4 ranks on the emulated cluster's two namespaces, 3+1 (ranks 0-2 | rank 3, 1 Gbit/s link),
   rank 3 capped at 0.5 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
@@ -187,8 +188,9 @@ def gpu_check() -> int:
 
 def main(argv=None) -> int:
     p = base_parser(__doc__)
-    p.add_argument("--scenario", choices=("pair", "quad", "uneven", "api-pair", "api-mixed", "all", "jobs"),
+    p.add_argument("--scenario", choices=("pair", "equal", "quad", "uneven", "api-pair", "api-mixed", "all", "jobs"),
                    default="jobs")
+    p.add_argument("--repeats", type=int, default=1, help="job scenarios: stock / MEMRT=1 runs, alternating (medians)")
     p.add_argument("--gpu-check", action="store_true", help="run the CUDA checks of mixed device kinds and exit")
     p.add_argument("--priority", type=float, default=1.0,
                    help="CPU weight multiplier for every rank's cgroup (root): on a machine shared with other "
@@ -198,9 +200,9 @@ def main(argv=None) -> int:
     print(machine_line(info), flush=True)
     if args.gpu_check:
         return gpu_check()
-    names = {"all": ("pair", "quad", "uneven", "api-pair", "api-mixed"), "jobs": ("pair", "quad", "uneven")}.get(
-        args.scenario, (args.scenario,))
-    jobs = [run_job(n, args.quick, args.priority) for n in names if not n.startswith("api-")]
+    names = {"all": ("pair", "equal", "quad", "uneven", "api-pair", "api-mixed"),
+             "jobs": ("pair", "equal", "quad", "uneven")}.get(args.scenario, (args.scenario,))
+    jobs = [run_job(n, args.quick, args.priority, args.repeats) for n in names if not n.startswith("api-")]
     if jobs:
         print_job_table(jobs)
     rows = [run(n[4:], args.quick, args.priority) for n in names if n.startswith("api-")]

@@ -167,6 +167,9 @@ class _Store:
     def get(self, k):
         return self.d[k]
 
+    def delete_key(self, k):
+        return self.d.pop(k, None) is not None
+
     def wait(self, keys, timeout=None):
         missing = [k for k in keys if k not in self.d]
         if missing:

@@ -148,6 +148,8 @@ class Controller:
         self._step_samples = 0
         self._version = 0
         self._warned: set[str] = set()
+        self._factor = 1.0
+        """Gradient factor of this step's batch (n_r * W / B, or exactly 1 under the stock split)."""
 
     # ------------------------------------------------------------------------------------ DataLoaders
     def add_loader(self, sampler: ShareSampler) -> None:
@@ -227,8 +229,6 @@ class Controller:
                             "weighted by the first one's share")
         self._factor = next(iter(factors)) if factors else 1.0
 
-    _factor = 1.0
-
     def _close_step(self) -> None:
         start, end, n = self._fwd_start, self._last_bucket, self._step_samples
         hooks = self._hook_before_last
@@ -307,7 +307,13 @@ class Controller:
         self.store.set(f"{key}/{self.rank}", json.dumps(mine))
         keys = [f"{key}/{r}" for r in range(self.world)]
         self.store.wait(keys, timedelta(seconds=self.config.exchange_timeout_s))
-        return [json.loads(self.store.get(k)) for k in keys]
+        everyone = [json.loads(self.store.get(k)) for k in keys]
+        if self._checks > 1:  # every rank read the previous exchange before posting to this one
+            try:
+                self.store.delete_key(f"balance/{self._checks - 1}/{self.rank}")
+            except Exception:  # noqa: BLE001 - a store without deletion keeps a few bytes per check
+                pass
+        return everyone
 
     def _check(self) -> None:
         self._checks += 1
