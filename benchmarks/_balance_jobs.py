@@ -35,10 +35,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def _job_args(quick: bool, out: Path) -> list[str]:
-    steps, warmup = (45, 25) if quick else (110, 30)
+def _job_args(quick: bool, out: Path, standalone: bool = False) -> list[str]:
+    steps, warmup, seconds = (45, 25, 4) if quick else (110, 30, 10)
+    timed = ["--timed-seconds", str(seconds)] if standalone else []
     return ["--batch", "64", "--samples", "16384", "--steps", str(steps), "--warmup", str(warmup), "--width", "512",
-            "--depth", "4", "--lr", "0.01", "--out", str(out)]
+            "--depth", "4", "--lr", "0.01", *timed, "--out", str(out)]
 
 
 def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool) -> tuple[dict[str, str], str]:
@@ -51,8 +52,9 @@ def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool)
     return {"BALANCE_JOB_DELAY": ",".join(items)}, "sleep per sample (no root)"
 
 
-def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None) -> list[dict]:
-    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out)]
+def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None,
+            standalone: bool = False) -> list[dict]:
+    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out, standalone)]
     node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
 
     def placement(rank: int) -> dict[str, str]:  # the namespace of the rank's node, entered by the shim
@@ -98,14 +100,16 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> 
         if can_emulate()[0]:
             cluster = EmulatedCluster("1gbit")
     try:
-        # standalone: every rank alone, all at once (the same caps, the same contention for cores)
+        # standalone: every rank alone, all at once (the same caps, the same contention for cores), each timed
+        # for the same number of seconds after its warm-up, so the windows overlap
         speeds: dict[int, float] = {}
         errors: list[str] = []
 
         def alone(r: int) -> None:
             env, _ = _cap_env(caps, [r], priority, capped)
             try:
-                speeds[r] = _samples_per_s(_launch([[0]], {**base, **env}, tmp / f"alone{r}", quick))
+                speeds[r] = _samples_per_s(_launch([[0]], {**base, **env}, tmp / f"alone{r}", quick,
+                                                   standalone=True))
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(f"rank {r}: {exc}")
 

@@ -76,6 +76,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1000)
     p.add_argument("--steps", type=int, default=40, help="stop after this many steps in all")
     p.add_argument("--warmup", type=int, default=12, help="steps not timed")
+    p.add_argument("--timed-seconds", type=float, default=0.0,
+                   help="instead of --steps: stop this many seconds after the warm-up (concurrent standalone runs "
+                        "then share one time window)")
     p.add_argument("--features", type=int, default=64)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=3)
@@ -111,6 +114,11 @@ def main() -> None:
     steps, sizes, epoch_steps = [], [], []
     t0 = None
     samples_timed = 0
+    def done() -> bool:
+        if args.timed_seconds > 0:
+            return t0 is not None and time.perf_counter() - t0 >= args.timed_seconds
+        return len(steps) >= args.steps
+
     dist.barrier()
     for epoch in range(args.epochs):
         if sampler is not None:
@@ -129,10 +137,10 @@ def main() -> None:
             if t0 is not None:
                 samples_timed += len(idx)
             n += 1
-            if len(steps) >= args.steps:
+            if done():
                 break
         epoch_steps.append(n)
-        if len(steps) >= args.steps:
+        if done():
             break
     seconds = time.perf_counter() - t0 if t0 is not None else 0.0
     dist.barrier()
