@@ -228,7 +228,7 @@ def at_exit() -> None:
         summaries, missing = _exchange(sess, rank_summary(sess, plans, comm))
         if sess.rank == 0:
             text = format_summary(sess, summaries, missing)
-            if sess.balance is not None:
+            if sess.balance is not None and (sess.balance.decisions or sess.balance.loaders):
                 from memrt.balance.auto import format_summary_line
 
                 text += "\n" + format_summary_line(sess.balance)
