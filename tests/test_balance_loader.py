@@ -229,3 +229,14 @@ def test_memory_bound_goes_into_the_exchange_and_caps_the_shares():
     ctl._confirmed = True  # noqa: SLF001
     d = ctl._decide(figures)  # noqa: SLF001
     assert d["changed"] and d["shares"] == [10, 6]  # speeds alone would give 13 / 3
+
+
+def test_new_shares_start_with_a_gradient_accumulation_window():
+    ctl = _controller()
+    ctl._confirmed = True  # noqa: SLF001
+    figures = _figures([(0.0, 0.001), (0.0, 0.003)], drawn=7)
+    for f in figures:
+        f["accum"] = 4
+        f["loaders"][0][2] = 5  # the window of this step began at batch 4 (5 consumed)
+    d = ctl._decide(figures)  # noqa: SLF001
+    assert d["changed"] and d["loaders"][0]["from"] == [0, 8]  # first window start >= every rank's draws (7)
