@@ -64,6 +64,15 @@ def test_balanced_shares_keep_every_step_sample_set(sampler_drop, loader_drop):
     assert factors[2][2] == pytest.approx(2 * 3 / 12)
 
 
+def test_batch_sampler_over_a_distributed_sampler_is_balanced_like_batch_size():
+    from memrt.balance.loader import balanced_sampler_for
+
+    stock = _stock(50, 2, 4, True, False, True)
+    for r in range(2):
+        s = DistributedSampler(range(50), num_replicas=2, rank=r, shuffle=True, seed=5)
+        assert list(balanced_sampler_for(None, BatchSampler(s, 4, True), 1, False)) == stock[r]
+
+
 def test_a_change_behind_the_draws_is_refused_and_sum_losses_get_no_factor():
     s = _share(40, 2, 4, True, False, False, 0)
     it = iter(s)
@@ -115,6 +124,12 @@ def test_what_is_left_unbalanced_and_why():
     assert "custom batch_sampler" in unbalanced_reason(ds, None, BatchSampler(range(10), 2, False), 1)
     sampler = DistributedSampler(ds, num_replicas=2, rank=0)
     assert unbalanced_reason(ds, sampler, None, 4) is None
+    assert unbalanced_reason(ds, None, BatchSampler(sampler, 4, True), 1) is None
+
+    class MyBatches(BatchSampler):
+        pass
+
+    assert "custom batch_sampler" in unbalanced_reason(ds, None, MyBatches(sampler, 4, True), 1)
     assert "automatic batching" in unbalanced_reason(ds, sampler, None, None)
 
     class Custom(DistributedSampler):

@@ -178,7 +178,7 @@ def balance_dataloader(sess: Session, arguments: dict[str, Any]) -> dict[str, An
     if arguments.get("shuffle") is False:
         arguments["shuffle"] = None
     if batch_sampler is not None:
-        return {}
+        return {}  # the DataLoader had no sampler / batch size of its own: nothing to show again
     return {"sampler": sampler, "batch_size": batch_size, "drop_last": drop_last}
 
 

@@ -4,8 +4,9 @@ A data-parallel DataLoader is a *sharded* batch source: at step k rank r gets it
 union over ranks is the step's global batch. memrt recognises two such sources when the DataLoader is
 built (:func:`balanced_sampler_for`):
 
-- ``DataLoader(ds, batch_size=b, sampler=DistributedSampler(...))`` (torchrun examples, most scripts):
-  rank r's batch k is ``b`` consecutive items of the sampler's stride-``W`` subsequence;
+- ``DataLoader(ds, batch_size=b, sampler=DistributedSampler(...))`` (torchrun examples, most scripts), or
+  ``batch_sampler=BatchSampler(DistributedSampler(...), b, drop_last)``: rank r's batch k is ``b``
+  consecutive items of the sampler's stride-``W`` subsequence;
 - accelerate's ``BatchSamplerShard`` (``Accelerator.prepare``, hence the HF Trainer): rank r's batch k is
   batch ``k*W + r`` of the shared batch sampler (``split_batches=False``) or slice r of batch k (``True``).
 
@@ -150,6 +151,8 @@ def unbalanced_reason(dataset: Any, sampler: Any, batch_sampler: Any, batch_size
     if isinstance(dataset, IterableDataset):
         return "an iterable dataset: memrt cannot re-split its batches"
     if batch_sampler is not None:
+        if _is_plain_batch_sampler(batch_sampler):  # BatchSampler(DistributedSampler(...), b, drop_last)
+            return unbalanced_reason(dataset, batch_sampler.sampler, None, batch_sampler.batch_size)
         if _is_accelerate_shard(batch_sampler):
             if batch_sampler.batch_size is None:
                 return "accelerate BatchSamplerShard without a fixed batch size"
@@ -164,12 +167,21 @@ def unbalanced_reason(dataset: Any, sampler: Any, batch_sampler: Any, batch_size
     return None
 
 
+def _is_plain_batch_sampler(obj: Any) -> bool:
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    return type(obj) is BatchSampler and isinstance(obj.sampler, DistributedSampler)
+
+
 def _is_accelerate_shard(obj: Any) -> bool:
     return type(obj).__name__ == "BatchSamplerShard" and type(obj).__module__.startswith("accelerate")
 
 
 def balanced_sampler_for(sampler: Any, batch_sampler: Any, batch_size: Any, drop_last: bool) -> "ShareSampler":
     """The :class:`ShareSampler` for a DataLoader's arguments (``unbalanced_reason`` returned None)."""
+    if batch_sampler is not None and _is_plain_batch_sampler(batch_sampler):
+        return ShareSampler(_DistributedSource(batch_sampler.sampler, int(batch_sampler.batch_size),
+                                               bool(batch_sampler.drop_last)))
     if batch_sampler is not None:
         return ShareSampler(_AccelerateSource(batch_sampler))
     return ShareSampler(_DistributedSource(sampler, int(batch_size), bool(drop_last)))
