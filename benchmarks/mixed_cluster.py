@@ -1,13 +1,25 @@
-"""Mixed cluster: memrt speed-weighted data parallelism vs stock DDP, measured side by side in one run.
+"""Mixed cluster: an unchanged DDP job under MEMRT=1 against stock DDP and the bound, and the memrt.balance API.
 
-    cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster            # full (~2-3 min on 2 cores)
-    cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --quick    # < 60 s
-    ... --scenario pair|mixed --out DIR        # one scenario; DIR/mixed_cluster.json (default ./benchmark-results)
+    cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster                    # job scenarios pair, equal, quad, uneven
+    cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --quick            # shorter
+    ... --scenario pair|equal|quad|uneven|api-pair|api-mixed|all --repeats 3 --out DIR  # DIR/mixed_cluster.json
     cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --gpu-check  # CUDA side (gpu_check.sh)
 
-Scenarios (every rank: gloo on loopback, ``torch.set_num_threads(1)``; an MLP, SGD with momentum):
-- ``pair``: the issue's acceptance set-up: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root).
-- ``mixed``: 4 ranks on uneven nodes 3+1 (``MEMRT_TOPOLOGY=0,1,2;3``), rank 3 capped at 0.2 CPU (4 ranks
+Job scenarios (``benchmarks/balance_job.py``: DistributedSampler + DataLoader(batch_size=b), an MLP, SGD; it
+never imports memrt). One run measures, for the same caps: each rank's standalone speed (all ranks at once,
+each as its own one-rank job: nobody waits for anybody), stock DDP, and ``MEMRT=1`` (nothing else set); the
+bound is the sum of the standalone speeds. Samples/s count the steps after ``--warmup`` (memrt's first
+decisions fall inside it). Final loss (the whole dataset, final model) and parameters of MEMRT=1 vs stock:
+- ``pair``: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root);
+- ``equal``: 2 ranks, no cap (MEMRT=1 must not be slower than stock: no balancing when it would not pay);
+- ``quad``: 4 ranks capped at 1/1/0.5/0.25 CPU;
+- ``uneven``: 4 ranks on the emulated cluster's two namespaces, 3+1 (ranks 0-2 | rank 3, 1 Gbit/s link),
+  rank 3 capped at 0.5 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
+Without root the caps become a sleep per sample in forward (``BALANCE_JOB_DELAY``), printed as such.
+
+API scenarios (the ``SpeedBalancer`` API in one process group, stock DDP alternating with it):
+- ``api-pair``: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root).
+- ``api-mixed``: 4 ranks on uneven nodes 3+1 (``MEMRT_TOPOLOGY=0,1,2;3``), rank 3 capped at 0.2 CPU (4 ranks
   share 2 cores, so an uncapped rank gets about 0.5), and per-rank memory budgets: rank 0 holds at most
   1.5x the uniform micro-batch, rank 3 at most the uniform one (bounds from each budget in bytes and the
   per-sample activation bytes measured with saved-tensor hooks).
@@ -31,6 +43,8 @@ from memrt.balance import max_samples_for_budget
 from memrt.balance.experiment import Spec, make_model, side_by_side
 from memrt.cluster.cpucap import can_cap
 from memrt.testing import run_processes
+
+from benchmarks._balance_jobs import print_job_table, run_job
 
 
 def _memory_model(spec: Spec) -> tuple[int, float]:
@@ -174,7 +188,9 @@ def gpu_check() -> int:
 
 def main(argv=None) -> int:
     p = base_parser(__doc__)
-    p.add_argument("--scenario", choices=("pair", "mixed", "all"), default="all")
+    p.add_argument("--scenario", choices=("pair", "equal", "quad", "uneven", "api-pair", "api-mixed", "all", "jobs"),
+                   default="jobs")
+    p.add_argument("--repeats", type=int, default=1, help="job scenarios: stock / MEMRT=1 runs, alternating (medians)")
     p.add_argument("--gpu-check", action="store_true", help="run the CUDA checks of mixed device kinds and exit")
     p.add_argument("--priority", type=float, default=1.0,
                    help="CPU weight multiplier for every rank's cgroup (root): on a machine shared with other "
@@ -184,8 +200,15 @@ def main(argv=None) -> int:
     print(machine_line(info), flush=True)
     if args.gpu_check:
         return gpu_check()
-    names = ("pair", "mixed") if args.scenario == "all" else (args.scenario,)
-    rows = [run(n, args.quick, args.priority) for n in names]
+    names = {"all": ("pair", "equal", "quad", "uneven", "api-pair", "api-mixed"),
+             "jobs": ("pair", "equal", "quad", "uneven")}.get(args.scenario, (args.scenario,))
+    jobs = [run_job(n, args.quick, args.priority, args.repeats) for n in names if not n.startswith("api-")]
+    if jobs:
+        print_job_table(jobs)
+    rows = [run(n[4:], args.quick, args.priority) for n in names if n.startswith("api-")]
+    if not rows:
+        write_json(args.out, "mixed_cluster", {"machine": info, "quick": args.quick, "jobs": jobs})
+        return 0
     print_table(["scenario", "ranks (nodes)", "B", "stock samples/s", "memrt samples/s", "memrt/stock",
                  "final shares", "memory bound (samples)", "max param diff", "slow rank"],
                 [[r["scenario"], f"{r['world']} ({r['env'].get('MEMRT_TOPOLOGY', '1 node')})", r["global_batch"],
@@ -196,7 +219,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["cap_unavailable"]:
             print(f"note: no CPU cap ({r['cap_unavailable']}); slow rank emulated by sleeping", flush=True)
-    write_json(args.out, "mixed_cluster", {"machine": info, "quick": args.quick, "rows": rows})
+    write_json(args.out, "mixed_cluster", {"machine": info, "quick": args.quick, "jobs": jobs, "rows": rows})
     return 0
 
 

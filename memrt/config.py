@@ -74,6 +74,7 @@ OFFLOAD_CHOICES = ("auto", "none", "host", "disk")
 COMM_CHOICES = ("auto", "flat", "hier", "off")
 COMPRESS_CHOICES = ("none", "bf16", "fp16", "int8")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BALANCE_CHOICES = ("auto", "on", "off")
 
 
 def environ() -> dict[str, str]:
@@ -247,12 +248,15 @@ class MemrtConfig:
     """MEMRT_LOG_LEVEL: debug|info|warning|error for memrt's loggers."""
     strict: bool = False
     """MEMRT_STRICT: raise instead of warning-and-continue when activation fails."""
+    balance: str = "auto"
+    """MEMRT_BALANCE: auto|on|off — speed-weighted shares of each global batch in DDP jobs (memrt.balance.auto)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Variable name -> 'default' | 'environment' | 'argument' for every setting."""
 
     def __post_init__(self) -> None:
         for fname, choices in (("offload", OFFLOAD_CHOICES), ("comm", COMM_CHOICES),
-                               ("compress", COMPRESS_CHOICES), ("log_level", LOG_LEVELS)):
+                               ("compress", COMPRESS_CHOICES), ("log_level", LOG_LEVELS),
+                               ("balance", BALANCE_CHOICES)):
             if getattr(self, fname) not in choices:
                 raise ConfigError(_FIELD_TO_VAR[fname], getattr(self, fname), "one of " + "|".join(choices))
 
@@ -301,6 +305,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_REPORT_DIR", "report_dir", _path),
     Setting("MEMRT_LOG_LEVEL", "log_level", _choice(LOG_LEVELS)),
     Setting("MEMRT_STRICT", "strict", parse_bool),
+    Setting("MEMRT_BALANCE", "balance", _choice(BALANCE_CHOICES), agree=True),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
 its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""

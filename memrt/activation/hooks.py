@@ -10,6 +10,11 @@ to finish importing, then wraps, in place:
 - ``DistributedDataParallel.__init__``: after the original, plans memory for the wrapped module
   (``memrt.auto``) and, when every rank of the DDP group is ready, registers memrt.comm's gradient hook.
 - ``fully_shard`` (FSDP2): begins the session and records the sharded modules.
+- ``DataLoader.__init__``: a DataLoader over a ``DistributedSampler`` (or accelerate's ``BatchSamplerShard``)
+  gets memrt's share sampler (:mod:`memrt.balance.loader`), which yields the stock batches until the ranks
+  agree on balanced shares (``MEMRT_BALANCE``, :mod:`memrt.balance.auto`); the DataLoader iterator's
+  ``__next__`` (and accelerate's ``DataLoaderShard.__iter__``) note which batch reached the training loop,
+  and ``torch.autograd.backward`` lets the balancer see the reduction of the loss.
 
 Each wrapper calls the original exactly once whatever memrt does, and a memrt failure falls back to it
 (:func:`memrt.activation.session.fail`).
@@ -111,6 +116,10 @@ def install() -> None:
             _guarded_on_fsdp(sys.modules["torch.distributed.fsdp"])
         else:
             callbacks["torch.distributed.fsdp"] = _guarded_on_fsdp
+        if "accelerate.data_loader" in sys.modules:
+            _guarded_on_accelerate(sys.modules["accelerate.data_loader"])
+        else:
+            callbacks["accelerate.data_loader"] = _guarded_on_accelerate
         _FINDER = PostImportFinder(callbacks)
         sys.meta_path.insert(0, _FINDER)
 
@@ -149,11 +158,25 @@ def _guarded_on_fsdp(fsdp_module: Any) -> None:
         _session.fail("post-import hook on torch.distributed.fsdp", exc)
 
 
+def _guarded_on_accelerate(module: Any) -> None:
+    try:
+        shard = getattr(module, "DataLoaderShard", None)
+        if shard is not None:
+            _replace(shard, "__iter__", _wrap_shard_iter)
+    except Exception as exc:  # noqa: BLE001
+        _session.fail("post-import hook on accelerate.data_loader", exc)
+
+
 def _on_torch(torch_module: Any) -> None:
     import torch.distributed as dist
 
     if not dist.is_available():
         return
+    from torch.utils.data import DataLoader, dataloader
+
+    _replace(DataLoader, "__init__", _wrap_dataloader_init)
+    _replace(dataloader._BaseDataLoaderIter, "__next__", _wrap_iter_next)
+    _replace(torch_module.autograd, "backward", _wrap_backward)
     from torch.distributed import distributed_c10d
     from torch.nn.parallel import DistributedDataParallel
 
@@ -299,6 +322,81 @@ def _wrap_ddp_init(original: Callable) -> Callable:
             setup_ddp(sess, self)
 
     return __init__
+
+
+def _balance_controller() -> Any:
+    sess = _session.current()
+    return None if sess is None else sess.balance
+
+
+def _wrap_dataloader_init(original: Callable) -> Callable:
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        restore = None
+        if not _session.is_off() and _session.current() is not None:
+            try:
+                from memrt.activation.wiring import balance_dataloader
+
+                bound = signature.bind(self, *args, **kwargs)
+                restore = balance_dataloader(_session.current(), bound.arguments)
+                if restore is not None:
+                    args, kwargs = (), {k: v for k, v in bound.arguments.items() if k != "self"}
+                    extra = kwargs.pop("kwargs", None)  # a **kwargs parameter of a subclass's signature
+                    kwargs.update(extra or {})
+            except Exception as exc:  # noqa: BLE001
+                restore = None
+                _session.fail("balancing a DataLoader", exc)
+        original(self, *args, **kwargs)
+        if restore is not None:
+            for name, value in restore.items():  # what the script built stays visible: sampler, batch_size
+                object.__setattr__(self, name, value)
+
+    return __init__
+
+
+def _wrap_iter_next(original: Callable) -> Callable:
+    from memrt.balance.loader import note_consumed_inner
+
+    @functools.wraps(original)
+    def __next__(self):
+        data = original(self)
+        note_consumed_inner(self)
+        return data
+
+    return __next__
+
+
+def _wrap_shard_iter(original: Callable) -> Callable:
+    """accelerate's DataLoaderShard iterates its DataLoader one batch ahead: consumption is noted here."""
+    from memrt.balance.loader import ShareSampler
+
+    @functools.wraps(original)
+    def __iter__(self):
+        sampler = getattr(self.__dict__.get("base_dataloader"), "batch_sampler", None)
+        if not isinstance(sampler, ShareSampler):
+            yield from original(self)
+            return
+        sampler.outer = True
+        for batch in original(self):
+            sampler.note_consumed()
+            yield batch
+
+    return __iter__
+
+
+def _wrap_backward(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def backward(tensors, *args, **kwargs):
+        ctl = _balance_controller()
+        if ctl is not None:
+            ctl.observe_backward(tensors)
+        return original(tensors, *args, **kwargs)
+
+    return backward
 
 
 def _wrap_fully_shard(original: Callable) -> Callable:

@@ -220,13 +220,19 @@ def at_exit() -> None:
             "config": sess.config.effective(), "models": sess.models, "plans": plans,
             "comm_hooks": sess.comm_hooks, "failures": sess.failures, "device": device,
             "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
+            "balance": sess.balance.report() if sess.balance is not None else None,
         })
         if sess.report_problem is None:
             recorder.write(sess.report_dir, sess.rank)
         comm = list(recorder.comm)  # a copy: appends from other threads do not disturb it
         summaries, missing = _exchange(sess, rank_summary(sess, plans, comm))
         if sess.rank == 0:
-            sys.stderr.write(format_summary(sess, summaries, missing) + "\n")
+            text = format_summary(sess, summaries, missing)
+            if sess.balance is not None and (sess.balance.decisions or sess.balance.loaders):
+                from memrt.balance.auto import format_summary_line
+
+                text += "\n" + format_summary_line(sess.balance)
+            sys.stderr.write(text + "\n")
             sys.stderr.flush()
     except Exception as exc:  # noqa: BLE001 - exit must not fail because of the report
         logger.warning("memrt: writing the report of rank %d failed (%s: %s)", sess.rank, type(exc).__name__, exc)

@@ -80,6 +80,8 @@ class Session:
     """DDP constructions seen (for per-model store keys)."""
     report_problem: str | None = None
     """Why no report can be written (the default folder is not writable), found at start; None when it can."""
+    balance: Any = None
+    """The :class:`memrt.balance.auto.Controller` (MEMRT_BALANCE auto|on, more than one rank), else None."""
 
 
 def remember_launch(launch: LaunchInfo) -> None:

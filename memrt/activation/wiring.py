@@ -9,6 +9,12 @@ For each ``DistributedDataParallel`` construction:
    it: a rank whose memrt stepped aside would otherwise run a different collective sequence and hang the
    job. Ranks vote through the process group's store (no device collective), with a timeout.
 
+3. **balance** (``MEMRT_BALANCE`` auto|on): when every rank of the DDP group has the balancer, the comm
+   hook is :func:`memrt.balance.auto.balanced_hook` around the reduction in 2 (or torch's default
+   all-reduce): it applies the step's share factor, then memrt.comm's topology-aware all-reduce and
+   compression run as before. DataLoaders over a ``DistributedSampler`` get the share sampler
+   (:func:`balance_dataloader`).
+
 Missing pieces (memrt.memory or memrt.comm not installed) are skipped with a debug message; failures
 go through :func:`memrt.activation.session.fail` (one warning, memrt steps aside; strict: raise).
 """
@@ -23,7 +29,7 @@ from typing import Any
 from memrt.activation import session as _session
 from memrt.activation.session import Session
 
-__all__ = ["setup_ddp", "note_fully_shard", "VOTE_TIMEOUT_S"]
+__all__ = ["setup_ddp", "note_fully_shard", "balance_dataloader", "balance_controller", "VOTE_TIMEOUT_S"]
 
 logger = logging.getLogger("memrt.activation")
 
@@ -136,6 +142,89 @@ def _vote(sess: Session, key: str, ok: bool, ranks: list[int]) -> bool:
     return all(sess.store.get(k) == b"1" for k in keys)
 
 
+def balance_controller(sess: Session) -> Any:
+    """The session's balancer, built on first use; None when MEMRT_BALANCE=off, one rank, or no store."""
+    if sess.balance is not None:
+        return sess.balance
+    if sess.config.balance == "off" or sess.world_size < 2 or sess.store is None or _session.is_off():
+        return None
+    from memrt.balance.auto import AutoBalanceConfig, Controller
+
+    sess.balance = Controller(store=sess.store, rank=sess.rank, world=sess.world_size,
+                              config=AutoBalanceConfig(mode=sess.config.balance))
+    return sess.balance
+
+
+def balance_dataloader(sess: Session, arguments: dict[str, Any]) -> dict[str, Any] | None:
+    """Rewrite a DataLoader's arguments to use memrt's share sampler; returns the attributes to restore
+    after construction (the script's own sampler and batch size stay visible), or None to leave it as is."""
+    ctl = balance_controller(sess)
+    if ctl is None:
+        return None
+    from memrt.balance.loader import balanced_sampler_for, unbalanced_reason
+
+    sampler, batch_sampler = arguments.get("sampler"), arguments.get("batch_sampler")
+    batch_size, drop_last = arguments.get("batch_size", 1), bool(arguments.get("drop_last", False))
+    reason = unbalanced_reason(arguments.get("dataset"), sampler, batch_sampler, batch_size)
+    if reason is not None:
+        ctl.skip_loader(reason)
+        return None
+    share = balanced_sampler_for(sampler, batch_sampler, batch_size, drop_last)
+    if share.world != sess.world_size:
+        ctl.skip_loader(f"a sampler over {share.world} replicas in a job of {sess.world_size} ranks")
+        return None
+    ctl.add_loader(share)
+    arguments.update(batch_sampler=share, batch_size=1, sampler=None, drop_last=False)
+    if arguments.get("shuffle") is False:
+        arguments["shuffle"] = None
+    if batch_sampler is not None:
+        return {}  # the DataLoader had no sampler / batch size of its own: nothing to show again
+    return {"sampler": sampler, "batch_size": batch_size, "drop_last": drop_last}
+
+
+def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, Any]) -> bool:
+    """Register the balanced hook around memrt.comm's hook (``register``) or torch's default all-reduce."""
+    from memrt.balance.auto import BalanceHookState, balanced_hook
+
+    ctl = sess.balance
+    captured: list[tuple[Any, Any]] = []
+    if register is not None:
+        ddp.register_comm_hook = lambda state, hook: captured.append((state, hook))  # what memrt.comm registers
+        try:
+            compress = None if sess.config.compress == "none" else sess.config.compress
+            register(ddp, compress=compress)
+        finally:
+            del ddp.register_comm_hook
+    if captured:
+        inner_state, inner_hook = captured[0]
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        inner_state, inner_hook = ddp.process_group, allreduce_hook
+    is_timer = not ctl._timed  # noqa: SLF001 - the first balanced DDP model times the steps
+    ddp.register_comm_hook(BalanceHookState(controller=ctl, inner_hook=inner_hook, inner_state=inner_state,
+                                            is_timer=is_timer), balanced_hook)
+    if is_timer:
+        ctl.attach_timer(ddp.module)
+        budget = sess.config.budget
+        if budget is not None:
+            ctl.memory_bound = _plan_bound(ddp.module)
+    entry["balance"] = f"MEMRT_BALANCE={sess.config.balance}" + (" (times the steps)" if is_timer else "")
+    return bool(captured)
+
+
+def _plan_bound(module: Any) -> Any:
+    """Most samples per step from the module's memory plan (its budget, measured bytes per sample)."""
+    def bound(local_samples: int) -> int | None:
+        from memrt import plan_of
+        from memrt.balance.capability import max_samples_from_plan
+
+        plan = plan_of(module)
+        return None if plan is None else max_samples_from_plan(plan, local_samples)
+
+    return bound
+
+
 def setup_ddp(sess: Session, ddp: Any) -> None:
     """Memory plan and comm hook for a freshly built DistributedDataParallel (called on every rank)."""
     sess.ddp_count += 1
@@ -154,9 +243,20 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
             _session.fail("memory plan for DistributedDataParallel", exc)
             register = None
     ranks = _group_ranks(ddp, sess.world_size)
-    if not _vote(sess, f"ddp{sess.ddp_count}", register is not None and not _session.is_off(), ranks):
-        if register is not None:
-            entry["comm_hook"] = "not on every rank: DDP's own all-reduce kept"
+    comm_ok = _vote(sess, f"ddp{sess.ddp_count}", register is not None and not _session.is_off(), ranks)
+    if not comm_ok and register is not None:
+        entry["comm_hook"] = "not on every rank: DDP's own all-reduce kept"
+    balance_ok = _vote(sess, f"ddp{sess.ddp_count}/balance", _balance_ready(sess, ddp, ranks), ranks)
+    if balance_ok:
+        try:
+            if _register_balanced(sess, ddp, register if comm_ok else None, entry):
+                sess.comm_hooks += 1
+                entry["comm_hook"] = f"memrt.comm (compress={sess.config.compress})"
+        except Exception as exc:  # noqa: BLE001
+            _session.fail("registering the balanced DDP hook", exc)
+        return
+    entry["balance"] = "off" if sess.balance is None else "not on every rank"
+    if not comm_ok:
         return
     try:
         compress = None if sess.config.compress == "none" else sess.config.compress
@@ -166,6 +266,17 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
         return
     sess.comm_hooks += 1
     entry["comm_hook"] = f"memrt.comm (compress={sess.config.compress})"
+
+
+def _balance_ready(sess: Session, _ddp: Any, ranks: list[int]) -> bool:
+    """This rank can balance this DDP model: a balancer, memrt on, the whole job in the DDP group."""
+    try:
+        if _session.is_off() or balance_controller(sess) is None:
+            return False
+    except Exception as exc:  # noqa: BLE001 - vote no: the job keeps the stock split on every rank
+        _session.fail("starting the balancer", exc)
+        return False
+    return ranks == list(range(sess.world_size))
 
 
 def note_fully_shard(sess: Session, module: Any) -> None:

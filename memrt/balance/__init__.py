@@ -3,6 +3,10 @@
 Each rank takes a share of every global batch in proportion to its measured samples/s (bounded by what
 its memory holds); gradients are weighted by share / global batch before a SUM all-reduce, so the update
 equals the full-global-batch mean gradient that uniform DDP computes. See docs/sections/mixed.md.
+
+Two ways in: this API (a ``SpeedBalancer`` in the script), or none at all — ``MEMRT=1`` balances an
+unchanged DDP job over its own DistributedSampler / accelerate DataLoaders (:mod:`memrt.balance.auto`,
+:mod:`memrt.balance.loader`, :mod:`memrt.balance.reduction`; ``MEMRT_BALANCE=auto|on|off``).
 """
 
 from memrt.balance.balancer import BalanceConfig, Decision, SpeedBalancer

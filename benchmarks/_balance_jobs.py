@@ -1,0 +1,178 @@
+"""The job scenarios of benchmarks/mixed_cluster.py: standalone speeds, stock DDP and MEMRT=1 of one unchanged job.
+
+Each rank of ``benchmarks/balance_job.py`` is started through a small shim that caps its own CPU share
+(``MEMRT_CPU_CAP``, :func:`memrt.cluster.cpucap.cap_from_setting`) and then ``exec``s the job, so the job's
+process — the same pid — runs under the cap and the job itself stays unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import fmt_ratio, launch_ranks, print_table
+from memrt.cluster.cpucap import can_cap, remove_stale_caps
+
+__all__ = ["SCENARIOS", "run_job", "print_job_table"]
+
+JOB = Path(__file__).resolve().parent / "balance_job.py"
+# Capping needs the host's /sys/fs/cgroup, which `ip netns exec` hides: cap first, then enter the namespace.
+_SHIM = ("import os, sys\n"
+         "from memrt.cluster.cpucap import cap_from_setting\n"
+         "cap_from_setting(int(os.environ['RANK']))\n"
+         "ns = os.environ.pop('BALANCE_NETNS', '')\n"
+         "argv = [sys.executable, *sys.argv[1:]]\n"
+         "os.execvp('ip', ['ip', 'netns', 'exec', ns, *argv]) if ns else os.execv(sys.executable, argv)\n")
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "pair": {"caps": [1.0, 0.5], "nodes": [[0, 1]]},
+    "equal": {"caps": [1.0, 1.0], "nodes": [[0, 1]]},
+    "quad": {"caps": [1.0, 1.0, 0.5, 0.25], "nodes": [[0, 1, 2, 3]]},
+    "uneven": {"caps": [1.0, 1.0, 1.0, 0.5], "nodes": [[0, 1, 2], [3]], "cluster": True},
+}
+
+
+BATCH = 256
+"""Per-rank batch b of the job (global batch b x world): large enough that per-step fixed costs (all-reduce,
+optimizer step) stay small next to compute, as in training jobs that care about throughput."""
+
+
+def _job_args(quick: bool, out: Path, standalone: bool = False) -> list[str]:
+    steps, warmup, seconds = (40, 25, 4) if quick else (100, 30, 10)
+    timed = ["--timed-seconds", str(seconds)] if standalone else []
+    return ["--batch", str(BATCH if not quick else 64), "--samples", "65536", "--steps", str(steps),
+            "--warmup", str(warmup), "--width", "512", "--depth", "4", "--lr", "0.01", *timed, "--out", str(out)]
+
+
+def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool) -> tuple[dict[str, str], str]:
+    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU."""
+    if capped:
+        items = [f"{i}={'max' if caps[r] >= 1.0 else caps[r]}@{priority}" for i, r in enumerate(ranks)]
+        return {"MEMRT_CPU_CAP": ",".join(items)}, "cgroup CPU caps " + "/".join(f"{caps[r]:g}" for r in ranks)
+    # no root: a sleep per sample that makes a rank about 1/c times slower than an uncapped one (~0.25 ms/sample)
+    items = [f"{i}={0.00025 * (1 / caps[r] - 1):.6f}" for i, r in enumerate(ranks) if caps[r] < 1.0]
+    return {"BALANCE_JOB_DELAY": ",".join(items)}, "sleep per sample (no root)"
+
+
+def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None,
+            standalone: bool = False) -> list[dict]:
+    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out, standalone)]
+    node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+
+    def placement(rank: int) -> dict[str, str]:  # the namespace of the rank's node, entered by the shim
+        if cluster is None:
+            return {}
+        i = node_of[rank]
+        return {"BALANCE_NETNS": cluster.nodes[i], "GLOO_SOCKET_IFNAME": cluster.ifaces[i],
+                "MASTER_ADDR": cluster.addrs[0]}
+
+    outputs = launch_ranks(argv, nodes=nodes, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900,
+                           rank_env=placement)
+    bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
+    if bad:
+        raise RuntimeError(f"rank {bad[0][0]} exited {bad[0][1]}: {bad[0][2][-2000:]}")
+    world = sum(len(n) for n in nodes)
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
+    ranks[0]["stderr"] = "".join(err for _, _, err in outputs)
+    return ranks
+
+
+def _samples_per_s(ranks: list[dict]) -> float:
+    return sum(r["timed_local_samples"] for r in ranks) / ranks[0]["timed_seconds"]
+
+
+def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> dict[str, Any]:
+    """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 alternately
+    ``repeats`` times (medians reported); returns the row."""
+    import statistics
+
+    import torch
+
+    sc = SCENARIOS[name]
+    capped, why = can_cap()
+    caps, nodes = sc["caps"], sc["nodes"]
+    world = len(caps)
+    tmp = Path(tempfile.mkdtemp(prefix=f"memrt-bal-{name}-"))
+    base = {k: "" for k in ("MEMRT", "MEMRT_BALANCE")}
+    cluster = None
+    topology = {"MEMRT_TOPOLOGY": ";".join(",".join(map(str, n)) for n in nodes)} if len(nodes) > 1 else {}
+    if sc.get("cluster"):
+        from memrt.cluster import EmulatedCluster, can_emulate
+
+        if can_emulate()[0]:
+            cluster = EmulatedCluster("1gbit")
+    try:
+        # standalone: every rank alone, all at once (the same caps, the same contention for cores), each timed
+        # for the same number of seconds after its warm-up, so the windows overlap
+        speeds: dict[int, float] = {}
+        errors: list[str] = []
+
+        def alone(r: int) -> None:
+            env, _ = _cap_env(caps, [r], priority, capped)
+            try:
+                speeds[r] = _samples_per_s(_launch([[0]], {**base, **env}, tmp / f"alone{r}", quick,
+                                                   standalone=True))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"rank {r}: {exc}")
+
+        threads = [threading.Thread(target=alone, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError("standalone runs failed: " + "; ".join(errors))
+        env, how = _cap_env(caps, list(range(world)), priority, capped)
+        if cluster is not None:
+            cluster.__enter__()
+        stock_sps, memrt_sps = [], []
+        for i in range(repeats):
+            stock = _launch(nodes, {**base, **env}, tmp / "stock", quick, cluster)
+            report = tmp / f"report{i}"
+            memrt = _launch(nodes, {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)},
+                            tmp / "memrt", quick, cluster)
+            stock_sps.append(_samples_per_s(stock))
+            memrt_sps.append(_samples_per_s(memrt))
+    finally:
+        if cluster is not None:
+            cluster.close()
+        if capped:
+            remove_stale_caps()
+    bound = sum(speeds.values())
+    sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)
+    p_stock, p_memrt = torch.load(f"{tmp}/stock.params.pt"), torch.load(f"{tmp}/memrt.params.pt")
+    reports = sorted(report.glob("rank*.json"))
+    balance = json.loads(reports[0].read_text())["meta"]["activation"]["balance"] if reports else None
+    loss_s, loss_m = stock[0]["final_loss"], memrt[0]["final_loss"]
+    return {
+        "scenario": name, "world": world, "nodes": nodes, "emulated_cluster": cluster is not None,
+        "caps": caps, "slowdown": how, "cap_unavailable": None if capped else why,
+        "standalone_samples_per_s": [speeds[r] for r in range(world)], "bound_samples_per_s": bound,
+        "stock_samples_per_s": sps_stock, "memrt_samples_per_s": sps_memrt,
+        "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps, "memrt_over_bound": sps_memrt / bound,
+        "stock_over_bound": sps_stock / bound,
+        "final_loss_stock": loss_s, "final_loss_memrt": loss_m, "loss_rel_diff": abs(loss_m - loss_s) / abs(loss_s),
+        "params_allclose_rtol_1e-4": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p_memrt, p_stock)),
+        "max_param_diff": max(float((a - b).abs().max()) for a, b in zip(p_memrt, p_stock)),
+        "shares": balance["shares"] if balance else None,
+        "decisions": [(d["step"], d["shares"], d["changed"]) for d in balance["decisions"]] if balance else None,
+        "global_batch": (64 if quick else BATCH) * world,
+    }
+
+
+def print_job_table(rows: list[dict[str, Any]]) -> None:
+    print_table(["scenario", "ranks (nodes)", "caps", "B", "standalone samples/s", "bound", "stock", "MEMRT=1",
+                 "MEMRT=1/stock", "MEMRT=1/bound", "loss diff", "params allclose", "shares"],
+                [[r["scenario"], f"{r['world']} ({'+'.join(str(len(n)) for n in r['nodes'])}"
+                  f"{', emulated' if r['emulated_cluster'] else ''})", "/".join(f"{c:g}" for c in r["caps"]),
+                  r["global_batch"], " + ".join(f"{s:.0f}" for s in r["standalone_samples_per_s"]),
+                  f"{r['bound_samples_per_s']:.0f}", f"{r['stock_samples_per_s']:.0f}", f"{r['memrt_samples_per_s']:.0f}",
+                  fmt_ratio(r["memrt_over_stock"]), f"{100 * r['memrt_over_bound']:.0f}%",
+                  f"{100 * r['loss_rel_diff']:.2f}%", r["params_allclose_rtol_1e-4"], r["shares"]] for r in rows],
+                title="unchanged DDP job: MEMRT=1 vs stock DDP vs the bound (sum of standalone speeds), one run")
+    for r in rows:
+        if r["cap_unavailable"]:
+            print(f"note: {r['scenario']}: no CPU cap ({r['cap_unavailable']}); {r['slowdown']}", flush=True)

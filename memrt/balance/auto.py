@@ -1,0 +1,471 @@
+"""Zero-config balancing under ``MEMRT=1``: measure, agree, re-split the job's own global batches.
+
+One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
+
+1. owns the :class:`~memrt.balance.loader.ShareSampler` of every DataLoader the job built over a
+   ``DistributedSampler`` (or accelerate's shard), which yield the stock batches until told otherwise;
+2. times every training step of the DDP model it is attached to: from the wrapped module's first forward
+   after a gradient all-reduce (after DDP's own pre-forward, which may wait for peers) to the last gradient
+   bucket handed to the comm hook, minus the time spent inside the hooks — compute only, never the wait
+   for slower ranks; on CUDA with events recorded on the current stream, read once they have completed;
+3. at a few steps (after ``first_check`` steps, ``refine_after`` steps after every change, then every
+   ``recheck_every`` steps) exchanges, through the process group's store (no device collective), each rank's
+   samples/s, memory bound, the reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders'
+   draw positions; every rank then runs the same rule on the same numbers
+   (:func:`memrt.balance.shares.decide_shares`) and schedules the new shares from the first batch no rank
+   has drawn yet (aligned to gradient-accumulation windows);
+4. gives the comm hook (:func:`balanced_hook`) the factor of the batch in this step: ``n_r * W / B`` for a
+   mean-reduced loss under balanced shares, exactly 1 (no arithmetic at all) under stock shares.
+
+Hysteresis: shares change only when the predicted step time drops by ``min_gain`` and, to leave the stock
+split, when the fastest rank is ``min_speed_ratio`` x the slowest (``MEMRT_BALANCE=on``: no thresholds,
+and an unknown loss reduction is taken to be a mean). Decisions go to rank 0's stderr and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections import deque
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from memrt.balance.loader import ShareSampler
+from memrt.balance.reduction import MEAN, SUM, UNKNOWN, classify_loss, describe_loss
+from memrt.balance.shares import (Shares, affine_shares, affine_step_seconds, fit_step_time,
+                                  uniform_shares)
+
+__all__ = ["AutoBalanceConfig", "Controller", "BalanceHookState", "balanced_hook"]
+
+logger = logging.getLogger("memrt.balance")
+
+
+@dataclass(kw_only=True, slots=True)
+class AutoBalanceConfig:
+    """How the controller measures and decides."""
+
+    mode: str = "auto"
+    """auto | on (MEMRT_BALANCE); off never builds a controller."""
+    warmup_steps: int = 2
+    """Steps not timed after the start and after every share change (first calls, new plans)."""
+    first_check: int = 8
+    """Step count (gradient all-reduces) at the first exchange."""
+    refine_after: int = 6
+    """Steps after a change until the next exchange (shares follow speeds measured at the new sizes)."""
+    recheck_every: int = 50
+    """Steps between exchanges otherwise."""
+    min_gain: float = 0.05
+    """auto: adopt shares only when the predicted step time drops by this fraction."""
+    min_speed_ratio: float = 1.10
+    """auto: leave the stock split only when the fastest rank is this many times the slowest."""
+    exchange_timeout_s: float = 900.0
+    """How long a rank waits for the others' figures (they arrive within one step of each other)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "on"):
+            raise ValueError(f"mode={self.mode!r} is not valid: expected 'auto' or 'on' (MEMRT_BALANCE)")
+        if self.first_check <= self.warmup_steps:
+            raise ValueError(f"first_check={self.first_check} must exceed warmup_steps={self.warmup_steps}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain={self.min_gain} is not valid: expected a fraction in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
+class _Timing:
+    samples: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class BalanceHookState:
+    """State of :func:`balanced_hook`: the controller and the reduction it wraps."""
+
+    controller: "Controller"
+    inner_hook: Any
+    """The hook that averages and reduces (memrt.comm's, or torch's default allreduce_hook)."""
+    inner_state: Any
+    is_timer: bool = False
+    """True for the DDP model whose steps the controller times."""
+
+
+def balanced_hook(state: BalanceHookState, bucket):  # DDP checks annotations: keep bucket bare
+    """Scale the bucket by this step's factor (skipped when it is 1), then the inner hook."""
+    ctl = state.controller
+    start = time.perf_counter()
+    factor = ctl.bucket_ready(state.is_timer, bucket)
+    if factor != 1.0:
+        bucket.buffer().mul_(factor)
+    try:
+        return state.inner_hook(state.inner_state, bucket)
+    finally:
+        if state.is_timer:
+            ctl.hook_seconds += time.perf_counter() - start
+
+
+class Controller:
+    """Balancing for one activated process; see the module docstring. Every rank builds one."""
+
+    def __init__(self, *, store: Any, rank: int, world: int, config: AutoBalanceConfig,
+                 memory_bound: Any = None) -> None:
+        self.store = store
+        self.rank = rank
+        self.world = world
+        self.config = config
+        self.memory_bound = memory_bound
+        """Callable (current local samples) -> most samples per step this rank's budget holds, or None."""
+        self._loaders: list[weakref.ref[ShareSampler]] = []
+        """Share samplers in creation order (the same order on every rank); weak: a dropped DataLoader goes."""
+        self.skipped: dict[str, int] = {}
+        """Why DataLoaders were left as they are -> how many."""
+        self.steps = 0
+        """Gradient all-reduces seen on the timed model (training steps)."""
+        self.enabled = True
+        self.decisions: list[dict[str, Any]] = []
+        self.reductions: set[str] = set()
+        self._unknown_root = ""
+        self.hook_seconds = 0.0
+        self._timed = False
+        self._in_step = False
+        self._fwd_start: Any = None
+        self._last_bucket: Any = None
+        self._cuda = False
+        self._pending_events: list[tuple[Any, Any, int, float]] = []
+        self._window: list[_Timing] = []
+        self._by_size: dict[int, deque[float]] = {}
+        """Local samples per step -> recent compute seconds of such steps (for the step-time model)."""
+        self._hook_before_last = 0.0
+        self._skip = config.warmup_steps
+        self._next_check = config.first_check
+        self._checks = 0
+        self._confirmed = False
+        """True when the previous check also found that leaving the stock split would pay."""
+        self._marks: dict[int, tuple[int, int]] = {}
+        self._accum = 1
+        self._step_samples = 0
+        self._version = 0
+        self._warned: set[str] = set()
+        self._factor = 1.0
+        """Gradient factor of this step's batch (n_r * W / B, or exactly 1 under the stock split)."""
+
+    # ------------------------------------------------------------------------------------ DataLoaders
+    def add_loader(self, sampler: ShareSampler) -> None:
+        self._loaders.append(weakref.ref(sampler))
+
+    @property
+    def loaders(self) -> list[ShareSampler | None]:
+        """The share samplers by creation index; None where the DataLoader is gone."""
+        return [ref() for ref in self._loaders]
+
+    def skip_loader(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    # ---------------------------------------------------------------------------------------- timing
+    def attach_timer(self, module: Any) -> None:
+        """Time the steps of ``module`` (the DDP model's wrapped module)."""
+        if self._timed:
+            return
+        self._timed = True
+        param = next(iter(module.parameters()), None)
+        self._cuda = param is not None and param.device.type == "cuda"
+        module.register_forward_pre_hook(self._forward_pre_hook)
+
+    def _now(self) -> Any:
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _forward_pre_hook(self, module: Any, _args: Any) -> None:
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if self._in_step:  # first training forward after a gradient all-reduce
+            self._in_step = False
+            self._close_step()
+            if self.enabled and self.steps >= self._next_check:
+                self._check()
+        if self._fwd_start is None:
+            self._fwd_start = self._now()
+            self.hook_seconds = self._hook_before_last = 0.0
+
+    def bucket_ready(self, is_timer: bool, bucket: Any) -> float:
+        """Called by the hook for every bucket: mark the step, note time, return this step's factor."""
+        if is_timer:
+            if not self._in_step:
+                self._in_step = True
+                self.steps += 1
+                self._mark_trained_loaders()
+            self._last_bucket = self._now()
+            self._hook_before_last = self.hook_seconds  # time inside earlier hook calls (may wait for peers)
+        return self._factor
+
+    def _mark_trained_loaders(self) -> None:
+        """Loaders whose batches were consumed since the last all-reduce fed this step."""
+        factors, samples, consumed = set(), 0, 0
+        for i, s in enumerate(self.loaders):
+            if s is None:
+                continue
+            mark = (s.iteration, s.consumed)
+            if mark != self._marks.get(i) and s.current is not None:
+                s.trained = True
+                before = self._marks.get(i)
+                consumed = s.consumed - (before[1] if before and before[0] == s.iteration else 0)
+                factors.add(s.current[0])
+                samples += s.current[1] * max(1, consumed)
+            self._marks[i] = mark
+        if consumed > 0:
+            self._accum = consumed
+        self._step_samples = samples or 1  # no balanced DataLoader: steps/s (ranks take equal batches)
+        if len(factors) > 1:
+            self._warn_once("several DataLoaders with different shares fed one step: their gradients are "
+                            "weighted by the first one's share")
+        self._factor = next(iter(factors)) if factors else 1.0
+
+    def _close_step(self) -> None:
+        start, end, n = self._fwd_start, self._last_bucket, self._step_samples
+        hooks = self._hook_before_last
+        self._fwd_start = self._last_bucket = None
+        if start is None or end is None or n <= 0:
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        if self._cuda:
+            self._pending_events.append((start, end, n, hooks))
+            self._resolve_events()
+        else:
+            self._add(n, max(1e-9, end - start - hooks))
+
+    def _resolve_events(self, wait: bool = False) -> None:
+        keep = []
+        for start, end, n, _hook_s in self._pending_events:
+            if wait:
+                end.synchronize()
+            if end.query():
+                self._add(n, max(1e-9, start.elapsed_time(end) / 1000.0 - _hook_s))
+            else:
+                keep.append((start, end, n, _hook_s))
+        self._pending_events = keep
+
+    def _add(self, n: int, seconds: float) -> None:
+        self._window.append(_Timing(samples=n, seconds=seconds))
+        self._by_size.setdefault(n, deque(maxlen=8)).append(seconds)
+        while len(self._by_size) > 3:  # the three most recent sizes describe the current speed
+            self._by_size.pop(next(iter(self._by_size)))
+        self._by_size[n] = self._by_size.pop(n)  # most recent last
+
+    def step_model(self) -> tuple[float, float] | None:
+        """(a, c) of this rank's compute time per step, a + c * samples, from recent steps."""
+        points = [(n, t) for n, ts in self._by_size.items() for t in ts]
+        return fit_step_time(points)
+
+    def samples_per_s(self) -> float | None:
+        if self._cuda:
+            self._resolve_events(wait=True)
+        seconds = sum(t.seconds for t in self._window)
+        return sum(t.samples for t in self._window) / seconds if seconds > 0 else None
+
+    # ----------------------------------------------------------------------------------- loss kinds
+    def observe_backward(self, tensors: Any) -> None:
+        """``torch.autograd.backward``'s first argument: what kind of reduction the loss has."""
+        try:
+            kind = classify_loss(tensors)
+            if kind == UNKNOWN and not self._unknown_root:
+                self._unknown_root = describe_loss(tensors)
+        except Exception:  # noqa: BLE001 - never break the user's backward
+            kind = UNKNOWN
+        self.reductions.add(kind)
+
+    # -------------------------------------------------------------------------------------- exchange
+    def _mine(self) -> dict[str, Any]:
+        local = self._step_samples or 1
+        bound = None
+        if self.memory_bound is not None:
+            try:
+                bound = self.memory_bound(local)
+            except Exception as exc:  # noqa: BLE001
+                self._warn_once(f"memory bound unavailable ({exc}): shares are not bounded by the budget")
+        kinds = self.reductions or {UNKNOWN}
+        return {
+            "sps": self.samples_per_s(), "model": self.step_model(), "bound": bound,
+            "reduction": kinds.pop() if len(kinds) == 1 else UNKNOWN, "root": self._unknown_root,
+            "accum": self._accum,
+            "loaders": [[-2, 0, 0, False, 0] if s is None else [s.iteration, s.drawn, s.consumed, s.trained,
+                                                                  s.full_batch()] for s in self.loaders],
+        }
+
+    def _exchange(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        key = f"balance/{self._checks}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(mine))
+        keys = [f"{key}/{r}" for r in range(self.world)]
+        self.store.wait(keys, timedelta(seconds=self.config.exchange_timeout_s))
+        everyone = [json.loads(self.store.get(k)) for k in keys]
+        if self._checks > 1:  # every rank read the previous exchange before posting to this one
+            try:
+                self.store.delete_key(f"balance/{self._checks - 1}/{self.rank}")
+            except Exception:  # noqa: BLE001 - a store without deletion keeps a few bytes per check
+                pass
+        return everyone
+
+    def _check(self) -> None:
+        self._checks += 1
+        try:
+            everyone = self._exchange(self._mine())
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot exchange keeps the agreed shares
+            self.enabled = False
+            logger.warning("memrt: balance: exchanging speeds failed on rank %d (%s); shares stay as they are",
+                           self.rank, exc)
+            return
+        self.reductions.clear()
+        decision = self._decide(everyone)
+        self.decisions.append(decision)
+        soon = decision["changed"] or decision.get("confirm") or decision["reason"] == "speeds not measured yet"
+        self._next_check = self.steps + (self.config.refine_after if soon else self.config.recheck_every)
+        self._window.clear()
+        if decision["changed"]:
+            self._skip = self.config.warmup_steps + self._lag_steps()
+        if self.rank == 0 and (decision["changed"] or decision.get("warn")):
+            sys.stderr.write(format_decision(decision) + "\n")
+            sys.stderr.flush()
+
+    def _lag_steps(self) -> int:
+        """Batches already drawn ahead of the training loop (prefetch): new shares arrive that much later."""
+        return max((s.drawn - s.consumed for s in self.loaders if s is not None and s.trained), default=0)
+
+    def _decide(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
+        """The same decision on every rank from the same gathered figures."""
+        speeds = [p["sps"] for p in everyone]
+        models = [tuple(p["model"]) if p["model"] else None for p in everyone]
+        bounds = [p["bound"] for p in everyone]
+        out: dict[str, Any] = {"step": self.steps, "samples_per_s": speeds, "step_models": models,
+                               "max_samples": bounds,
+                               "changed": False, "shares": None, "predicted_gain": 0.0, "reason": ""}
+        kinds = {p["reduction"] for p in everyone}
+        if any(s is None or s <= 0 for s in speeds) or any(m is None for m in models):
+            out["reason"] = "speeds not measured yet"
+            return out
+        counts = {len(p["loaders"]) for p in everyone}
+        trained = [i for i in range(min(counts)) if all(p["loaders"][i][3] for p in everyone)] if counts else []
+        ratio = max(speeds) / min(speeds)
+        out["speed_ratio"] = ratio
+        pays = self.config.mode == "on" or ratio >= self.config.min_speed_ratio
+        if len(counts) != 1 or not trained:
+            why = ("the ranks built different DataLoaders" if len(counts) > 1 else
+                   "no DataLoader over a DistributedSampler (or accelerate shard) fed the training steps"
+                   + (f"; left as they were: {', '.join(sorted(self.skipped))}" if self.skipped else ""))
+            out["reason"] = why
+            out["warn"] = pays and "no-loader" not in self._warned
+            self._warned.add("no-loader")
+            return out
+        if kinds == {MEAN} or kinds == {SUM}:
+            kind = kinds.pop()
+        elif self.config.mode == "on" and SUM not in kinds:
+            kind = MEAN
+            out["assumed"] = "loss reduction unknown: taken as a mean (MEMRT_BALANCE=on)"
+        else:
+            roots = sorted({p["root"] for p in everyone if p.get("root")})
+            out["reason"] = (f"the loss reduction cannot be known (seen: {', '.join(sorted(kinds))}"
+                             f"{'; backward from ' + roots[0] if roots else ''}): memrt sees only the tensor "
+                             "backward() starts from; MEMRT_BALANCE=on balances assuming a mean-reduced loss")
+            out["warn"] = pays and "reduction" not in self._warned
+            self._warned.add("reduction")
+            return out
+        out["reduction"] = kind
+        per_loader = []
+        accum = max(p["accum"] for p in everyone)
+        for i in trained:
+            rows = [p["loaders"][i] for p in everyone]
+            if len({r[4] for r in rows}) != 1 or len({r[0] for r in rows}) != 1:
+                continue
+            B = rows[0][4]
+            sampler = self.loaders[i]
+            if sampler is None:
+                continue
+            current = sampler.shares_now()
+            current_shares = (uniform_shares(B, self.world) if current is None
+                              else Shares(per_rank=tuple(current), global_batch=B))
+            try:
+                proposal = affine_shares(B, models, bounds)
+            except ValueError as exc:
+                out["reason"] = str(exc)
+                continue
+            gain = 1.0 - affine_step_seconds(proposal, models) / affine_step_seconds(current_shares, models)
+            over = any(m is not None and b > m for b, m in zip(current_shares.per_rank, bounds))
+            min_gain = 0.0 if self.config.mode == "on" else self.config.min_gain
+            if current is not None:  # moving between balanced splits: twice the gain (no flapping on noise)
+                min_gain *= 2
+            leaving_stock = current is None
+            adopt = proposal != current_shares and (over or (gain > min_gain and (pays or not leaving_stock)))
+            if adopt and leaving_stock and not over and self.config.mode == "auto" and not self._confirmed:
+                adopt = False  # leave the stock split only when the next window confirms it (noise)
+                out["confirm"] = True
+            out["predicted_gain"] = gain
+            out["shares"] = list(proposal.per_rank if adopt else current_shares.per_rank)
+            if not adopt:
+                if out.get("confirm"):
+                    out["reason"] = "an imbalance to confirm in the next window"
+                elif not pays:
+                    out["reason"] = f"speeds within {self.config.min_speed_ratio:.2f}x"
+                else:
+                    out["reason"] = f"predicted gain {gain:.1%} below {min_gain:.0%}"
+                continue
+            new = None if proposal == uniform_shares(B, self.world) else proposal.per_rank
+            position = max((r[0], r[1]) for r in rows)
+            if accum > 1:  # new shares start with an accumulation window
+                start = rows[0][2] - 1
+                k = position[1]
+                position = (position[0], start + -(-(k - start) // accum) * accum)
+            sampler.schedule(position, new, kind)
+            per_loader.append({"loader": i, "from": list(position), "shares": list(proposal.per_rank),
+                               "global_batch": B})
+            out["changed"] = True
+        out["loaders"] = per_loader
+        self._confirmed = bool(out.get("confirm"))
+        return out
+
+    def _warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            logger.warning("memrt: balance: %s", text)
+
+    def report(self) -> dict[str, Any]:
+        """What the rank report shows."""
+        last = next((d for d in reversed(self.decisions) if d.get("shares")), None)
+        return {"mode": self.config.mode, "steps": self.steps, "enabled": self.enabled,
+                "balanced_loaders": len(self.loaders), "skipped_loaders": dict(self.skipped),
+                "shares": last["shares"] if last else None,
+                "samples_per_s": self.decisions[-1]["samples_per_s"] if self.decisions else None,
+                "decisions": self.decisions,
+                "local_samples": [None if s is None else s.samples_seen for s in self.loaders],
+                "config": asdict(self.config)}
+
+
+def format_summary_line(ctl: Controller) -> str:
+    """One line for rank 0's summary at exit: the shares in force and the speeds they came from."""
+    r = ctl.report()
+    if r["shares"] is None or not any(d["changed"] for d in ctl.decisions):
+        last = ctl.decisions[-1]["reason"] if ctl.decisions else "no decision taken (too few steps)"
+        return f"memrt: balance ({r['mode']}): stock split kept: {last}"
+    last = next(d for d in reversed(ctl.decisions) if d["changed"])
+    speeds = ", ".join("-" if s is None else f"{s:.1f}" for s in last["samples_per_s"])
+    return (f"memrt: balance ({r['mode']}): shares {r['shares']} per global batch (samples/s per rank {speeds}, "
+            f"predicted step time -{100 * last['predicted_gain']:.0f}%); {len(ctl.decisions)} decision(s)")
+
+
+def format_decision(d: dict[str, Any]) -> str:
+    speeds = ", ".join("-" if s is None else f"{s:.1f}" for s in d["samples_per_s"])
+    if d["changed"]:
+        return (f"memrt: balance: step {d['step']}: shares {d['shares']} of {d['loaders'][0]['global_batch']} "
+                f"from batch {d['loaders'][0]['from'][1]} (samples/s per rank {speeds}; predicted step time "
+                f"-{100 * d['predicted_gain']:.0f}%; loss {d.get('reduction')}){' ' + d['assumed'] if d.get('assumed') else ''}")
+    return f"memrt: balance: step {d['step']}: left unbalanced: {d['reason']} (samples/s per rank {speeds})"
+
+

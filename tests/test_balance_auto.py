@@ -1,0 +1,143 @@
+"""MEMRT=1 balances an unchanged DDP + DistributedSampler job (benchmarks/balance_job.py, no memrt import).
+
+One fixture runs every launch (torchrun, 2 ranks, rank 1 slowed by a sleep per sample in forward set by
+the job's own BALANCE_JOB_DELAY; no root needed); each test checks one promise:
+- the shares follow the measured speeds, and the decision is in rank 0's stderr and in both rank reports;
+- every step's sample set (the union over ranks) and the steps per epoch equal stock's, across epochs
+  (set_epoch), partial last batches, DataLoader workers, and drop_last;
+- final parameters allclose to stock (rtol 1e-4) and the final loss within 1%;
+- equal ranks (both sleep the same per sample) and MEMRT_BALANCE=off: the stock split, parameters bitwise
+  equal to stock (the sleep changes no arithmetic);
+- an iterable dataset: a warning, stock batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from memrt.testing import venv_bin
+
+JOB = Path(__file__).resolve().parent.parent / "benchmarks" / "balance_job.py"
+SLOW = {"BALANCE_JOB_DELAY": "1=0.0006"}
+# Equal ranks on a shared machine: both sleep the same time per sample, which CPU contention does not stretch
+EQUAL = {"BALANCE_JOB_DELAY": "0=0.0006,1=0.0006"}
+BASE = ["--samples", "602", "--batch", "16", "--steps", "45", "--warmup", "0", "--width", "256"]
+
+pytestmark = pytest.mark.slow
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMRT", "BALANCE_JOB"))
+           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _launch(tmp: Path, name: str, env: dict[str, str], *args: str) -> dict:
+    out = tmp / name
+    argv = [venv_bin("torchrun"), "--standalone", "--nproc-per-node", "2", str(JOB), *BASE, *args, "--out", str(out)]
+    proc = subprocess.run(argv, env=_env(env), cwd=tmp, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    import torch
+
+    return {"ranks": ranks, "params": torch.load(f"{out}.params.pt"), "stderr": proc.stderr, "cwd": tmp}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("balance")
+    on = {"MEMRT": "1", "MEMRT_REPORT_DIR": str(tmp / "reports")}
+    return {
+        "stock": _launch(tmp, "stock", SLOW),
+        "memrt": _launch(tmp, "memrt", {**SLOW, **on}, "--workers", "2"),
+        "off": _launch(tmp, "off", {**SLOW, **on, "MEMRT_BALANCE": "off", "MEMRT_REPORT_DIR": str(tmp / "r-off")}),
+        "equal": _launch(tmp, "equal", {**on, **EQUAL, "MEMRT_REPORT_DIR": str(tmp / "r-equal")}),
+        "iterable": _launch(tmp, "iterable", {**SLOW, **on, "MEMRT_REPORT_DIR": str(tmp / "r-it")}, "--iterable"),
+        "stock_dl": _launch(tmp, "stock_dl", SLOW, "--drop-last", "--sampler-drop-last"),
+        "memrt_dl": _launch(tmp, "memrt_dl", {**SLOW, **on, "MEMRT_REPORT_DIR": str(tmp / "r-dl")},
+                            "--drop-last", "--sampler-drop-last"),
+    }
+
+
+def _unions(run: dict) -> list[list[int]]:
+    a, b = run["ranks"]
+    return [sorted(x + y) for x, y in zip(a["steps"], b["steps"])]
+
+
+def _reports(run: dict, folder: str) -> list[dict]:
+    paths = sorted((run["cwd"] / folder).glob("rank*.json"))
+    return [json.loads(p.read_text())["meta"]["activation"]["balance"] for p in paths]
+
+
+def _allclose(a, b, rtol=1e-4, atol=1e-6) -> bool:
+    import torch
+
+    return all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
+
+
+def test_shares_follow_the_measured_speeds(runs):
+    from memrt.balance.shares import affine_shares
+
+    r0, r1 = runs["memrt"]["ranks"]
+    assert len(set(r0["sizes"])) > 1, "the slow rank's job was never balanced"
+    assert r0["sizes"][0] == r1["sizes"][0] == 16  # uniform until measured
+    assert r0["sizes"][-5] > 16 > r1["sizes"][-5]  # then rank 1 (slow) takes fewer samples
+    reports = _reports(runs["memrt"], "reports")
+    assert len(reports) == 2 and reports[0]["decisions"] == reports[1]["decisions"]
+    changed = [d for d in reports[0]["decisions"] if d["changed"]]
+    assert changed and changed[0]["reduction"] == "mean"
+    d = changed[0]
+    models = [tuple(m) for m in d["step_models"]]  # each rank's compute seconds per step: a + c * samples
+    assert tuple(d["shares"]) == affine_shares(32, models, d["max_samples"]).per_rank
+    assert models[1][1] > models[0][1]  # the slowed rank needs more seconds per sample
+    assert d["samples_per_s"][0] > d["samples_per_s"][1] and d["predicted_gain"] > 0.05
+    assert reports[0]["shares"] == changed[-1]["shares"]
+    assert "memrt: balance: step" in runs["memrt"]["stderr"] and "memrt: balance (auto): shares" in runs["memrt"]["stderr"]
+
+
+@pytest.mark.parametrize("memrt,stock", [("memrt", "stock"), ("memrt_dl", "stock_dl")])
+def test_same_sample_sets_per_step_and_steps_per_epoch(runs, memrt, stock):
+    assert _unions(runs[memrt]) == _unions(runs[stock])
+    for m, s in zip(runs[memrt]["ranks"], runs[stock]["ranks"]):
+        assert m["epoch_steps"] == s["epoch_steps"] and m["loader_len"] == s["loader_len"]
+    assert len(runs[memrt]["ranks"][0]["epoch_steps"]) >= 3  # crossed epochs: set_epoch reshuffled as stock
+    if memrt == "memrt":  # partial last batches (301 per rank = 18 x 16 + 13) were split too
+        parts = [(a, b) for a, b in zip(runs[memrt]["ranks"][0]["sizes"], runs[memrt]["ranks"][1]["sizes"])
+                 if a + b == 26]
+        assert parts and parts[-1][0] > 13 > parts[-1][1]
+
+
+@pytest.mark.parametrize("memrt,stock", [("memrt", "stock"), ("memrt_dl", "stock_dl")])
+def test_parameters_and_loss_match_stock(runs, memrt, stock):
+    assert _allclose(runs[memrt]["params"], runs[stock]["params"])
+    lm, ls = runs[memrt]["ranks"][0]["final_loss"], runs[stock]["ranks"][0]["final_loss"]
+    assert abs(lm - ls) <= 0.01 * abs(ls)
+
+
+@pytest.mark.parametrize("name", ["equal", "off"])
+def test_equal_ranks_and_off_keep_the_stock_split_bitwise(runs, name):
+    import torch
+
+    for m, s in zip(runs[name]["ranks"], runs["stock"]["ranks"]):
+        assert m["steps"] == s["steps"]
+    assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], runs["stock"]["params"]))
+    folder = {"equal": "r-equal", "off": "r-off"}[name]
+    reports = _reports(runs[name], folder)
+    if name == "off":
+        assert reports == [None, None] and "memrt: balance" not in runs[name]["stderr"]
+    else:
+        assert all(not d["changed"] for d in reports[0]["decisions"]) and reports[0]["decisions"]
+        assert "stock split kept" in runs[name]["stderr"]
+
+
+def test_iterable_dataset_stays_unbalanced_with_a_warning(runs):
+    r0, r1 = runs["iterable"]["ranks"]
+    assert r0["sizes"] == r1["sizes"] and max(r0["sizes"]) == 16
+    err = runs["iterable"]["stderr"]
+    assert "left unbalanced" in err and "iterable dataset" in err
