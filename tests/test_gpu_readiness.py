@@ -407,7 +407,7 @@ def test_flat_cuda_call_is_timed_to_completion(monkeypatch):
     health = SimpleNamespace(inside=lambda name: contextlib.nullcontext(), track=lambda n, e: tracked.append((n, e)))
     st = api._State(topology=Topology.from_nodes(((0, 1),), 0), health=health)
     monkeypatch.setattr(api, "_st", st)
-    t = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float32)
+    t = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float32, element_size=lambda: 4)
     called = []
     api._flat_torch("all_reduce", t, 4096, lambda: called.append(fake.log[-1]), async_op=False)
     assert called == [("record", "compute")]  # the start event is on the caller's stream, before the call
