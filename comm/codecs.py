@@ -75,8 +75,14 @@ def _chunks(numel: int) -> int:
     return -(-numel // INT8_CHUNK_ELEMENTS)
 
 
-def _block(numel: int, device: torch.device) -> int:
-    return BLOCK_ELEMENTS if device.type == "cpu" else max(numel, 1)
+def _host(t: torch.Tensor) -> bool:
+    """True when checks that read a value back (a sync elsewhere) are cheap: CPU tensors. Elsewhere the
+    codecs take the path that handles every special case with no read-back, one launch per operation."""
+    return t.device.type == "cpu"
+
+
+def _block(numel: int, t: torch.Tensor) -> int:
+    return BLOCK_ELEMENTS if _host(t) else max(numel, 1)
 
 
 # ---------------------------------------------------------------- casts
@@ -87,7 +93,7 @@ def _cast_into(y: torch.Tensor, dst: torch.Tensor, limit: float, x: torch.Tensor
     sent. Returns whether the slow path ran (the block had non-finite or out-of-range values).
     """
     dst.copy_(y)
-    if y.device.type == "cpu" and math.isfinite(dst.sum().item()):  # the common case: one cheap check
+    if _host(y) and math.isfinite(dst.sum().item()):  # the common case: one cheap check
         return False
     if x is not None:
         y = _keep_finite_input(y, x)
@@ -162,7 +168,7 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor,
         blk = torch.nn.functional.pad(blk, (0, full - n))
     flagged = torch.signbit(scale)
     vals = blk.view(nc, INT8_CHUNK_ELEMENTS).mul_(scale.abs().unsqueeze(1))
-    if q.device.type != "cpu" or any(math.copysign(1.0, c) < 0 for c in scale.tolist()):
+    if not _host(q) or any(math.copysign(1.0, c) < 0 for c in scale.tolist()):
         rows = flagged.nonzero().squeeze(1)
         if rows.numel():
             sq = _codes_of(q, rows, n)  # from q: vals was computed in place of the float codes
@@ -200,7 +206,7 @@ def encode(x: torch.Tensor, codec: str, *, residual: torch.Tensor | None = None,
     x = x.reshape(-1)
     numel = x.numel()
     payload = torch.empty(Codec(codec).wire_bytes(numel), dtype=torch.uint8, device=x.device)
-    step = _block(numel, x.device)
+    step = _block(numel, x)
     scratch = (torch.empty(min(numel, step), device=x.device)
                if residual is not None and sent_out is None else None)
     head = 4 * _chunks(numel)
@@ -241,7 +247,7 @@ def _encode_int8(y: torch.Tensor, x: torch.Tensor | None, payload: torch.Tensor,
     v = y if full == n else torch.nn.functional.pad(y, (0, full - n))
     amax = _chunk_amax(v.view(nc, INT8_CHUNK_ELEMENTS))
     odd = special = True
-    if y.device.type == "cpu":  # one small host copy of the chunk maxima decides both questions
+    if _host(y):  # one small host copy of the chunk maxima decides both questions
         a = amax.tolist()
         odd = not all(math.isfinite(m) for m in a)
         special = odd or any(0.0 < m < _SMALL_AMAX or m > _BIG_AMAX for m in a)
@@ -271,7 +277,7 @@ def decode(payload: torch.Tensor, codec: str, numel: int, *, out: torch.Tensor |
     if out is None:
         out = torch.empty(numel, device=payload.device)
         accumulate = False
-    step = _block(numel, payload.device)
+    step = _block(numel, payload)
     if codec in ("bf16", "fp16"):
         src = payload[: 2 * numel].view(torch.bfloat16 if codec == "bf16" else torch.float16)
         for s in range(0, numel, step):
