@@ -180,3 +180,40 @@ def test_special_values_reach_every_codec_and_int8_flags_only_their_chunk():
         assert torch.isfinite(d[2 * INT8_CHUNK_ELEMENTS:]).all()
     scales = encode(x, "int8")[:12].view(torch.float32)
     assert torch.signbit(scales).tolist() == [True, True, False]
+
+
+def test_auto_compresses_only_where_the_cost_model_predicts_ten_percent():
+    from types import SimpleNamespace
+
+    from memrt.comm import costmodel as cm
+    from memrt.comm.compress import choose_codec
+    from memrt.comm.select import predict
+
+    nodes = ((0, 1), (2, 3))
+
+    def topo(inter_bytes_per_s):
+        links = cm.LinkModel(intra=cm.TierLink(alpha_s=1e-5, beta_s_per_byte=1 / 10e9),
+                             inter=cm.TierLink(alpha_s=1e-4, beta_s_per_byte=1 / inter_bytes_per_s),
+                             gamma_s_per_byte=1 / 4e9, codec_s_per_byte={"bf16": 1 / 2e9, "int8": 1 / 1e9})
+        return SimpleNamespace(nodes=nodes, links=links)
+
+    n = 64 << 20
+    slow, fast = topo(125e6), topo(100e9)
+    c = choose_codec("auto", n, torch.float32, slow, "hier", predict("hier", n, nodes, slow.links))
+    assert c.algorithm == "hier+bf16" and ">= 10%" in c.reason and c.predicted_seconds < predict("hier", n, nodes, slow.links)
+    c = choose_codec("auto", n, torch.float32, fast, "hier", predict("hier", n, nodes, fast.links))
+    assert c.algorithm == "hier" and "< 10%" in c.reason  # a fast link: encoding costs more than it saves
+    c = choose_codec("auto", n, torch.bfloat16, slow, "hier", predict("hier", n, nodes, slow.links))
+    assert c.algorithm == "hier"  # bf16 of a bf16 tensor saves no bytes
+    c = choose_codec("auto", n, torch.float32, slow, "flat", 1.0, "flat")
+    assert c.algorithm == "flat" and "MEMRT_COMM=flat" in c.reason
+    c = choose_codec("int8", n, torch.float32, fast, "hier", 1.0)
+    assert c.algorithm == "hier+int8" and "asked" in c.reason  # a named codec is the caller's choice
+
+
+def test_compress_values_checked_with_the_setting_named():
+    from memrt.comm.ddp_hook import DDPHookState
+
+    with pytest.raises(ValueError, match="compress='int4' is not valid: expected one of none\\|auto"):
+        DDPHookState(compress="int4")
+    assert DDPHookState(compress="auto").compress == "auto"

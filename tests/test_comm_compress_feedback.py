@@ -98,9 +98,19 @@ def _ddp_buckets(rank, world):
     dist.all_reduce(y)
     dist.all_reduce(y, compress="int8")
     untouched = all(torch.equal(before[k], ef.residual(k)) for k in keys)
-    return {"owners": sorted(map(repr, owners)), "n_models": len({o[1] for o in owners}),
+    only_ddp = len(keys) == len(ef)
+    from memrt.profiling.recorder import get_recorder
+
+    torch.manual_seed(2)  # MEMRT_COMPRESS=auto through the hook: each bucket's record says what was chosen and why
+    auto = DDP(torch.nn.Linear(256, 256), bucket_cap_mb=1)
+    dist.register_ddp_hook(auto, compress="auto")
+    get_recorder().clear()
+    auto(torch.randn(4, 256)).sum().backward()
+    reasons = [(r.algorithm, r.reason) for r in get_recorder().comm if r.op == "all_reduce"]
+    return {"auto": reasons,
+            "owners": sorted(map(repr, owners)), "n_models": len({o[1] for o in owners}),
             "buckets_per_model": len(owners) // 2, "zero_sum": y.abs().max().item(), "untouched": untouched,
-            "all_other_keys_ddp": len(keys) == len(ef)}
+            "all_other_keys_ddp": only_ddp}
 
 
 @pytest.mark.slow
@@ -111,3 +121,5 @@ def test_ddp_residuals_per_model_and_bucket(tmp_path):
     for r in res:
         assert r["n_models"] == 2 and r["buckets_per_model"] >= 2, r
         assert r["zero_sum"] == 0.0 and r["untouched"] and r["all_other_keys_ddp"], r
+        assert r["auto"] and all(reason.startswith("compress=auto: ") and "predicted" in reason
+                                 and (algo == "hier+bf16") == (">= 10%" in reason) for algo, reason in r["auto"]), r
