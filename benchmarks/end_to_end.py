@@ -19,12 +19,12 @@ see below), ``memrt`` (``MEMRT=1``, exact), ``memrt-bf16`` / ``-fp16`` / ``-int8
 (``MEMRT_COMPRESS=...``: the inter-node hop of the gradients compressed, int8 with error feedback per
 bucket). An arm that cannot run prints its row with the measured error.
 
-torch's ``powerSGD_hook`` issues its second and third all-reduces (P and Q) from future callbacks;
-with several DDP buckets in flight those callbacks fire in a different order on different ranks, and
-gloo, which pairs operations by issue order, aborts ("op.preamble.length <= op.nbytes ... collective
-mismatch"; measured on 2 and 4 loopback ranks with several buckets, while one bucket runs). The
-PowerSGD arms therefore use ``--bucket-cap-mb 1024`` (one bucket, no overlap of backward and
-communication): the only set-up in which torch's hook runs on gloo.
+torch's ``powerSGD_hook`` issues its P all-reduce, and waits for it, inside a future callback (then Q
+in the next one); with several DDP buckets in flight those callbacks run on different threads in a
+different order on each rank, and gloo, which pairs operations by issue order, aborts on 4 ranks
+("op.preamble.length <= op.nbytes. 64 vs 32 ... collective mismatch") or hangs on 2 (measured on loopback
+with several buckets; one bucket runs). The PowerSGD arms therefore use ``--bucket-cap-mb 1024`` (one
+bucket, no overlap of backward and communication): the only set-up in which torch's hook runs on gloo.
 
 Reported per arm: tokens/s, ratio vs stock, share of the compute-only bound, peak RSS, loss after N steps
 and its difference from stock; plus the compute/communication split, and the targets: memrt exact >= 1.3x
