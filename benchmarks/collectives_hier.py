@@ -58,11 +58,13 @@ def worker(sizes: list[int], iters: int) -> None:
         tdist.all_reduce(a)
         hierarchical_all_reduce(b, "SUM", topo)
         ok = bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4))
+        from memrt.profiling.comm_log import busbw_factor  # the project's one busbw rule
+
         for algo, ts in times.items():
             t = statistics.median(ts)
             algbw = nbytes / t / 1e9
             rows.append({"size_bytes": nbytes, "count": nbytes // 4, "type": "float", "algorithm": algo,
-                         "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n,
+                         "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor("all_reduce", n),
                          "times_s": ts, "results_match": ok})
     if rank == 0:
         print("RESULT " + json.dumps({"nodes": [list(nd) for nd in topo.nodes], "source": topo.source,

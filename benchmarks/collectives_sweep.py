@@ -15,6 +15,10 @@ busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scat
 On the emulated cluster, ``bound`` is the link bound: the bytes that must cross the inter-node cut in
 each direction divided by the link rate (all_reduce: size; all_gather: size/2; reduce_scatter: size/2;
 broadcast: size), and ``%bound`` = bound / time. Ratios are against ``gloo`` measured in the same run.
+
+``auto vs best`` (per op and size, when memrt-flat, memrt-hier and memrt-auto ran): memrt-auto's time
+against the better of memrt-flat and memrt-hier in the same run, the algorithm auto chose (from its
+comm log), and a ``SLOWER`` flag where auto is more than 5% slower than that best (AUTO_SLACK).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_ratio, launch_ranks, machine_info,
                                 machine_line, print_table, result_lines, save_plot, skip_line, write_json)
 
-__all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR"]
+__all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR", "AUTO_SLACK", "auto_check"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 IMPLS = ("gloo", "mpi", "memrt-flat", "memrt-hier", "memrt-auto")
@@ -35,9 +39,14 @@ NODES = ((0, 1), (2, 3))
 
 
 def BUS_FACTOR(op: str, n: int) -> float:
-    """nccl-tests busbw factor (doc/PERFORMANCE.md)."""
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0}[op]
+    """nccl-tests busbw factor (doc/PERFORMANCE.md): the project's one rule, memrt.profiling's."""
+    from memrt.profiling.comm_log import busbw_factor
+
+    return busbw_factor(op, n)
+
+
+AUTO_SLACK = 1.05
+"""memrt-auto may take at most this times the better of memrt-flat and memrt-hier (same run)."""
 
 
 CROSS_BYTES_FACTOR = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}
@@ -76,9 +85,13 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
         import memrt.comm as dist
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    from memrt.profiling.recorder import get_recorder
+
+    log = get_recorder().comm
     rows = []
     for op in ops:
         for size in sizes:
+            seen = len(log)
             numel = max(n, size // 4 // n * n)
             big = torch.ones(numel)
             small = torch.ones(numel // n)
@@ -95,7 +108,9 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
                 call()
             elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
             tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)  # timing itself: plain torch.distributed
-            rows.append({"op": op, "size": numel * 4, "time_s": float(elapsed), "iters": iters})
+            chosen = sorted({r.algorithm for r in log[seen:] if r.op == op})  # memrt's comm log: what ran
+            rows.append({"op": op, "size": numel * 4, "time_s": float(elapsed), "iters": iters,
+                         "algorithm": "/".join(chosen) if chosen else None})
     if rank == 0:
         print("RESULT " + json.dumps({"impl": impl, "world": n, "rows": rows}), flush=True)
     dist.destroy_process_group()
@@ -240,6 +255,33 @@ def _table(res: dict[str, Any], op: str) -> list[list[str]]:
     return out
 
 
+def auto_check(res: dict[str, Any], op: str) -> list[dict[str, Any]]:
+    """Per size: memrt-auto's time vs the better of memrt-flat and memrt-hier; ``slower`` when auto
+    takes more than AUTO_SLACK x that best."""
+    r = res.get("results", {})
+    if not all(k in r for k in ("memrt-flat", "memrt-hier", "memrt-auto")):
+        return []
+    by = {k: {row["size"]: row for row in r[k]["rows"] if row["op"] == op}
+          for k in ("memrt-flat", "memrt-hier", "memrt-auto")}
+    out = []
+    for size in sorted(by["memrt-auto"]):
+        if size not in by["memrt-flat"] or size not in by["memrt-hier"]:
+            continue
+        flat, hier = by["memrt-flat"][size]["time_s"], by["memrt-hier"][size]["time_s"]
+        auto = by["memrt-auto"][size]
+        best = min(flat, hier)
+        out.append({"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
+                    "best": "flat" if flat <= hier else "hier", "auto_chose": auto.get("algorithm"),
+                    "auto_over_best": auto["time_s"] / best, "slower": auto["time_s"] > AUTO_SLACK * best})
+    return out
+
+
+def _auto_rows(checks: list[dict[str, Any]]) -> list[list[str]]:
+    return [[f"{c['size']}", f"{c['auto_s'] * 1e6:.1f}", c["auto_chose"] or "-", f"{c['flat_s'] * 1e6:.1f}",
+             f"{c['hier_s'] * 1e6:.1f}", c["best"], f"{c['auto_over_best']:.3f}",
+             f"SLOWER (> {AUTO_SLACK:.2f}x best)" if c["slower"] else "ok"] for c in checks]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__)
     p.add_argument("--worker", default=None, help=argparse_hidden())
@@ -268,10 +310,23 @@ def main(argv: list[str] | None = None) -> int:
         out.append(res)
         if "results" not in res:
             continue
+        res["auto_check"] = []
         for op in ops:
             print_table(["impl", "size (B)", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
                          "bound (us)", "%bound", "vs gloo"], _table(res, op),
                         title=f"{op} | {net} | 4 ranks = 2 nodes x 2 | same run, ratio = gloo time / impl time")
+            checks = auto_check(res, op)
+            res["auto_check"].extend(checks)
+            if checks:
+                print_table(["size (B)", "auto (us)", "auto chose", "flat (us)", "hier (us)", "best", "auto/best",
+                             "check"], _auto_rows(checks),
+                            title=f"{op} | {net} | memrt-auto vs the better of memrt-flat and memrt-hier (same run)")
+        slow = [c for c in res["auto_check"] if c["slower"]]
+        if res["auto_check"]:
+            print(f"# {net}: auto more than {AUTO_SLACK:.2f}x the better algorithm at {len(slow)} of "
+                  f"{len(res['auto_check'])} (op, size) points"
+                  + (": " + ", ".join(f"{c['op']} {c['size']} B ({c['auto_over_best']:.2f}x)" for c in slow)
+                     if slow else ""), flush=True)
     write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out,
                                                "failed": failures()})
     save_plot(args.out, "collectives_sweep", _plot(out, ops))

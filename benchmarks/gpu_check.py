@@ -1,269 +1,329 @@
-"""The CUDA checks of memrt, for a lent GPU (run by benchmarks/gpu_check.sh; < 10 min on one GPU).
+"""memrt's device check: one run on a lent GPU (no network) gives one JSON and one text table of PASS/FAIL/SKIP rows.
 
-    cd /work/main && .venv/bin/python -m benchmarks.gpu_check [--out DIR]    # DIR defaults to $OUT or ./gpu-check
+    bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]           # the entry point (picks the python, time limit)
+    python -m benchmarks.gpu_check --out DIR [--dry-run] [--limit SECONDS]
 
-1. planner certification with CUDA allocator stats: a GPT-style model under ``memrt.auto`` at budgets
-   90%, 60% of the no-checkpointing peak and the smallest feasible one; ``torch.cuda.max_memory_allocated``
-   of a step after certification must be <= the budget, and gradients must equal the run without memrt;
-2. CUDA frontier: none / every block / ``save_on_cpu`` / memrt at 60% (peak by the allocator, step time);
-3. host-tier offload overlap: ``memrt.auto(..., offload="host")`` at the checkpoint-every-block peak and
-   at 0.9x of it (where recompute alone no longer fits, so the planner must pick offload_host): peak fits,
-   and step time vs keep-all and vs checkpoint every block (overlap keeps it near the recompute cost);
-4. hierarchical all-reduce path with CUDA tensors (4 ranks on the one GPU, ``MEMRT_TOPOLOGY=0,1;2,3``):
-   NCCL first; NCCL refuses two ranks on one device, so then gloo with CUDA tensors; correctness only:
-   results equal torch.distributed's.
-Each check prints PASS/FAIL/SKIP with its figures; everything goes to DIR/gpu_check.json (+ .png).
-Exit status: 0 when no check FAILs (and when there is no CUDA device: it says so and does nothing).
+Rows, in order (each with its reason and figures; every CUDA step runs in its own process under its own
+timeout, and the whole run under ``--limit``):
+
+- ``environment``: python, torch, CUDA, cuDNN and NCCL versions, the GPU (``nvidia-smi``);
+- ``cuda``: ``torch.cuda.is_available()``; without it the run FAILs (exit 1), except in ``--dry-run``
+  where it and every later CUDA step is a SKIP with that reason;
+- ``install``: memrt installed offline against the torch already there (``pip install --no-deps
+  --no-build-isolation --no-index -e .``; ``--dry-run``: pip's own ``--dry-run`` of the same command);
+- ``imports``: a fresh process imports memrt, memrt.comm, memrt.profiling and the benchmarks;
+- ``offload_budgets`` (benchmarks/gpu_steps.py): GPT 12 x 512, seq 1024: memrt.auto at 90% and 60% of the
+  keep-all peak, at 0.9x checkpoint-every-block's peak with the host tier, and at the smallest feasible
+  budget (from the BudgetError of ``budget=1``): gradients bitwise vs stock, peak allocated and reserved
+  vs budget, step time vs checkpoint every block and ``save_on_cpu(pin_memory=True)``, pinned bytes;
+- ``offload_overlap``: benchmarks/offload.py's CUDA measure (share of copy time hidden behind compute,
+  pinned allocations per step, parameters after training equal);
+- ``nccl``: 4 ranks on the one GPU, each its own ``NCCL_HOSTID`` (P2P, SHM, IB off; sockets on loopback),
+  ``MEMRT_TOPOLOGY=0,1;2,3``: hierarchical all-reduce (1, 7, 1000003 elements; f32, bf16) and broadcast
+  equal torch's, memrt's DDP hook for two steps vs plain DDP (correctness only);
+- ``mixed_cluster``: benchmarks/mixed_cluster.py's CUDA + CPU check (staging, weighted DDP hook);
+- ``pytest_gpu``: ``pytest -m gpu`` (SKIP when pytest is not installed there).
+
+Exit status: 1 when any row FAILs, else 0. Results: ``DIR/gpu_check.json`` and ``DIR/gpu_check.txt``
+(rewritten after every row, so a run cut short keeps what it measured), step logs in ``DIR/logs``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import subprocess
 import sys
 import time
-import traceback
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import (fmt_bytes, launch_ranks, machine_info, machine_line, print_table, result_lines,
-                                save_plot, write_json)
-from memrt.config import environ
+__all__ = ["main", "Row", "STEPS"]
 
-__all__ = ["main"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def _gpt(device: str):
-    import torch
+@dataclass(kw_only=True, slots=True)
+class Row:
+    """One line of the device check's table."""
 
-    from memrt.testing.models import GPT, GPTConfig, gpt_batch
-
-    cfg = GPTConfig(vocab_size=256, seq_len=1024, n_layer=12, d_model=512, n_head=8, dropout=0.1)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    return model, gpt_batch(cfg, 8, device=device)
-
-
-def _step(model, opt, batch, forward=None) -> float:
-    import torch
-
-    from memrt.testing.models import lm_loss
-
-    x, y = batch
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    lm_loss((forward or model)(x), y).backward()
-    if opt is not None:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    name: str
+    """Step name (environment, cuda, install, ...)."""
+    status: str
+    """PASS, FAIL or SKIP."""
+    reason: str = ""
+    """Why (always set for FAIL and SKIP), or a one-line summary of the figures."""
+    seconds: float = 0.0
+    """Wall time of the step, seconds."""
+    figures: dict[str, Any] = field(default_factory=dict)
+    """Measured values (bytes, seconds, versions, per-arm tables)."""
 
 
-def _peak_and_time(model, opt, batch, forward=None, steps: int = 3) -> tuple[int, float]:
-    import torch
-
-    times = []
-    for _ in range(steps):
-        torch.cuda.reset_peak_memory_stats()
-        times.append(_step(model, opt, batch, forward))
-    return torch.cuda.max_memory_allocated(), sorted(times)[len(times) // 2]
-
-
-def check_planner() -> dict[str, Any]:
-    import torch
-
-    import memrt
-
-    ref, batch = _gpt("cuda")
-    torch.manual_seed(1)
-    _step(ref, None, batch)
-    ref_grads = [p.grad.clone() for p in ref.parameters()]
-    peak_none, _ = _peak_and_time(ref, None, batch)
-    rows, ok = [], True
-    for label, budget in (("90%", int(0.9 * peak_none)), ("60%", int(0.6 * peak_none)), ("min", None)):
-        model, _ = _gpt("cuda")
-        if budget is None:  # ask for an impossible budget; BudgetError names the smallest feasible one
-            try:
-                memrt.auto(model, budget=1)
-                _step(model, None, batch)
-            except memrt.BudgetError as exc:
-                budget = int(getattr(exc, "min_feasible_bytes", 0) or 0)
-                if not budget:
-                    rows.append({"budget": label, "status": "FAIL", "why": f"BudgetError without a size: {exc}"})
-                    ok = False
-                    continue
-            if budget is None:
-                rows.append({"budget": label, "status": "FAIL", "why": "budget=1 byte did not raise BudgetError"})
-                ok = False
-                continue
-            memrt.disable(model)
-            model, _ = _gpt("cuda")
-        memrt.auto(model, budget=budget)
-        for _ in range(2):  # profile, certify
-            model.zero_grad(set_to_none=True)
-            _step(model, None, batch)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        torch.cuda.reset_peak_memory_stats()
-        _step(model, None, batch)
-        peak = torch.cuda.max_memory_allocated()
-        grads_equal = all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model.parameters()))
-        plan = memrt.plan_of(model)
-        fits = peak <= budget
-        ok &= fits and grads_equal
-        rows.append({"budget": label, "budget_bytes": budget, "measured_peak_bytes": peak, "fits": fits,
-                     "grads_bitwise_equal": grads_equal,
-                     "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
-                     "status": "PASS" if fits and grads_equal else "FAIL"})
-    print_table(["budget", "bytes", "allocator peak", "fits", "grads equal", "predicted"],
-                [[r["budget"], fmt_bytes(r.get("budget_bytes")), fmt_bytes(r.get("measured_peak_bytes")),
-                  r.get("fits"), r.get("grads_bitwise_equal"), fmt_bytes(r.get("predicted_peak_bytes"))]
-                 for r in rows], title="1. planner certification (CUDA allocator stats)")
-    return {"status": "PASS" if ok else "FAIL", "no_ckpt_peak_bytes": peak_none, "rows": rows}
+STEPS: tuple[tuple[str, float, bool], ...] = (
+    # (name, own timeout in seconds, needs CUDA)
+    ("imports", 40, False),
+    ("offload_budgets", 130, True),
+    ("nccl", 70, True),
+    ("offload_overlap", 45, True),
+    ("mixed_cluster", 40, True),
+    ("pytest_gpu", 70, True),
+)
+"""The steps after environment, cuda and install; each runs in a child process under its timeout."""
 
 
-def check_frontier_and_offload() -> dict[str, Any]:
-    import torch
-    from torch.utils.checkpoint import checkpoint
+class Run:
+    """The rows so far, written to ``out`` after each one."""
 
-    import memrt
+    def __init__(self, out: Path, limit_s: float, dry_run: bool) -> None:
+        self.out, self.limit_s, self.dry_run = out, limit_s, dry_run
+        self.t0 = time.monotonic()
+        self.rows: list[Row] = []
+        (out / "logs").mkdir(parents=True, exist_ok=True)
 
-    def blockwise(model, ckpt):
-        def fwd(idx):
-            x = model.drop(model.tok(idx) + model.pos(torch.arange(idx.size(1), device=idx.device)))
-            for b in model.blocks:
-                x = checkpoint(b, x, use_reentrant=False) if ckpt else b(x)
-            return model.head(model.ln_f(x))
-        return fwd
+    def left(self) -> float:
+        return self.limit_s - (time.monotonic() - self.t0)
 
-    rows = []
-    arms = [("none", lambda m: blockwise(m, False), None), ("every_block", lambda m: blockwise(m, True), None)]
-    for name, make, _ in arms:
-        model, batch = _gpt("cuda")
-        opt = torch.optim.AdamW(model.parameters())
-        peak, t = _peak_and_time(model, opt, batch, make(model))
-        rows.append({"arm": name, "peak_bytes": peak, "step_s": t})
-    model, batch = _gpt("cuda")
-    opt = torch.optim.AdamW(model.parameters())
-    fwd = blockwise(model, False)
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        print(f"{row.status:4}  {row.name:16} {row.seconds:6.1f} s  {row.reason}", flush=True)
+        self.write()
+        return row
 
-    def on_cpu(x):
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            return fwd(x)
-    peak, t = _peak_and_time(model, opt, batch, on_cpu)
-    rows.append({"arm": "save_on_cpu", "peak_bytes": peak, "step_s": t})
-    hi, lo = rows[0]["peak_bytes"], rows[1]["peak_bytes"]
-    for name, budget, offload in (("memrt@60%", int(lo + 0.6 * (hi - lo)), "none"),
-                                  ("memrt-host@every_block", lo, "host"),
-                                  ("memrt-host@0.9*every_block", int(0.9 * lo), "host")):
-        model, batch = _gpt("cuda")
-        opt = torch.optim.AdamW(model.parameters())
+    def write(self) -> None:
+        data = {"dry_run": self.dry_run, "limit_s": self.limit_s, "elapsed_s": round(time.monotonic() - self.t0, 1),
+                "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                "status": "FAIL" if any(r.status == "FAIL" for r in self.rows) else "PASS",
+                "rows": [asdict(r) for r in self.rows]}
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(self.out / "gpu_check.json")
+        (self.out / "gpu_check.txt").write_text(table(self.rows, data))
+
+
+def table(rows: list[Row], data: dict[str, Any]) -> str:
+    """The text table: one line per row, then each row's figures (arms of the offload step as a sub-table)."""
+    lines = [f"memrt gpu_check {data['date_utc']} UTC  ({'dry run, ' if data['dry_run'] else ''}"
+             f"{data['elapsed_s']:.0f} s of {data['limit_s']:.0f} s): {data['status']}", ""]
+    w = max([len(r.name) for r in rows] + [4])
+    lines.append(f"{'step':{w}}  {'status':6} {'secs':>6}  reason")
+    lines.append(f"{'-' * w}  {'-' * 6} {'-' * 6}  {'-' * 40}")
+    for r in rows:
+        lines.append(f"{r.name:{w}}  {r.status:6} {r.seconds:6.1f}  {r.reason}")
+    for r in rows:
+        arms = r.figures.get("arms")
+        if arms:
+            cols = list(dict.fromkeys(k for a in arms for k in a))
+            lines += ["", f"{r.name}:", "  ".join(cols)]
+            lines += ["  ".join(_cell(a.get(c)) for c in cols) for a in arms]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, int) and abs(v) >= 1 << 20:
+        return f"{v / 2**20:.0f}MiB"
+    return str(v) if v is not None else "-"
+
+
+# ---------------------------------------------------------------------------------- rows run in this process
+def environment() -> Row:
+    """Versions of python, torch, CUDA, cuDNN, NCCL and the GPU; never raises (a missing torch is a FAIL)."""
+    fig: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable,
+                           "platform": platform.platform()}
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - the row says why
+        return Row(name="environment", status="FAIL", reason=f"import torch failed: {exc}", figures=fig)
+    fig.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=bool(torch.cuda.is_available()))
+    try:
+        fig["cudnn"] = torch.backends.cudnn.version()
+    except Exception:  # noqa: BLE001
+        fig["cudnn"] = None
+    try:
+        fig["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        fig["nccl"] = None
+    import importlib.util
+
+    fig["packages"] = {m: importlib.util.find_spec(m) is not None  # memrt's deps and what the rows use
+                       for m in ("numpy", "psutil", "setuptools", "pip", "pytest", "transformers", "matplotlib")}
+    if fig["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        fig.update(gpu=p.name, gpu_memory_bytes=int(p.total_memory), gpus=torch.cuda.device_count())
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        fig["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        fig["nvidia_smi"] = f"unavailable ({type(exc).__name__})"
+    missing = [m for m, ok in fig["packages"].items() if not ok]
+    return Row(name="environment", status="PASS", figures=fig,
+               reason=f"torch {fig['torch']}, CUDA {fig['cuda']}, NCCL {fig['nccl']}, {fig.get('gpu', 'no GPU')}"
+                      + (f"; not installed: {', '.join(missing)}" if missing else ""))
+
+
+def cuda_row(env: Row, dry_run: bool) -> Row:
+    if env.figures.get("cuda_available"):
+        return Row(name="cuda", status="PASS", reason=f"{env.figures.get('gpus')} device(s)")
+    why = "no CUDA device: torch.cuda.is_available() is False" if "torch" in env.figures else env.reason
+    return Row(name="cuda", status="SKIP" if dry_run else "FAIL",
+               reason=why + ("; dry run: the CUDA steps are skipped" if dry_run else "; run this on the GPU machine"))
+
+
+def install(python: str, *, dry_run: bool, timeout_s: float, log: Path) -> Row:
+    """memrt installed offline (editable, no dependencies, the torch already there); dry run: pip --dry-run."""
+    cmd = [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-e", str(ROOT)]
+    if dry_run:
+        cmd.insert(4, "--dry-run")
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout_s), env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return Row(name="install", status="FAIL", reason=f"pip did not finish within {timeout_s:.0f} s")
+    log.write_text(" ".join(cmd) + "\n" + p.stdout + p.stderr)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+    if p.returncode != 0:
+        shim = _path_shim(log.parent.parent / "shim")
+        return Row(name="install", status="FAIL", figures={"command": " ".join(cmd), "shim": str(shim)},
+                   reason=f"offline pip install failed (rc {p.returncode}): {tail[0][-160:]}; see {log}; the "
+                          f"later steps import memrt.comm / memrt.profiling through a path hook ({shim})")
+    return Row(name="install", status="PASS", figures={"command": " ".join(cmd), "pip": tail[0]},
+               reason=("pip --dry-run: " if dry_run else "installed offline: ") + tail[0][-120:])
+
+
+_SHIM = """# written by benchmarks/gpu_check.py: memrt.comm and memrt.profiling from the checkout without an install
+import importlib.util, sys
+_ROOT = {root!r}
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+class _MemrtSubpackages:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name in ("memrt.comm", "memrt.profiling"):
+            d = _ROOT + "/" + name.split(".")[1]
+            return importlib.util.spec_from_file_location(name, d + "/__init__.py", submodule_search_locations=[d])
+        return None
+sys.meta_path.insert(0, _MemrtSubpackages)
+"""
+
+
+def _path_shim(folder: Path) -> Path:
+    """A ``sitecustomize`` on PYTHONPATH (this process's children inherit it) that maps memrt.comm and
+    memrt.profiling to the checkout's comm/ and profiling/, as setup.py's package_dir does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_SHIM.format(root=str(ROOT)))
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = str(folder) + (os.pathsep + old if old else "")  # for the steps' processes
+    return folder
+
+
+def run_step(run: Run, name: str, own_s: float, python: str) -> Row:
+    """``python -m benchmarks.gpu_check --step NAME`` under min(own timeout, time left); its JSON is the row."""
+    budget = min(own_s, run.left() - 5.0)
+    if budget < 10.0:
+        return Row(name=name, status="SKIP", reason=f"out of time: {max(0.0, run.left()):.0f} s of the run's limit left")
+    result = run.out / "logs" / f"{name}.json"
+    result.unlink(missing_ok=True)
+    log = run.out / "logs" / f"{name}.log"
+    cmd = [python, "-m", "benchmarks.gpu_check", "--step", name, "--out", str(run.out)]
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")  # deterministic cuBLAS: bitwise comparisons
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env)
         try:
-            memrt.auto(model, budget=budget, offload=offload)
-            peak, t = _peak_and_time(model, opt, batch, steps=4)
-            plan = memrt.plan_of(model)
-            actions = sorted({u.action for u in plan.units}) if plan else []
-            rows.append({"arm": name, "budget_bytes": budget, "peak_bytes": peak, "step_s": t, "actions": actions,
-                         "fits": peak <= budget})
-        except Exception as exc:  # noqa: BLE001 - report and go on to the next arm
-            rows.append({"arm": name, "budget_bytes": budget, "error": f"{type(exc).__name__}: {exc}"})
-    t_none = rows[0]["step_s"]
-    print_table(["arm", "peak", "step ms", "time/none", "budget", "actions / error"],
-                [[r["arm"], fmt_bytes(r.get("peak_bytes")), f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-",
-                  f"{r['step_s'] / t_none:.2f}x" if "step_s" in r else "-", fmt_bytes(r.get("budget_bytes")),
-                  r.get("error") or ",".join(r.get("actions", []))] for r in rows],
-                title="2-3. CUDA frontier and host-tier offload (same run, baseline: none)")
-    bad = [r for r in rows if "error" in r or r.get("fits") is False]
-    return {"status": "FAIL" if bad else "PASS", "rows": rows}
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return Row(name=name, status="FAIL", seconds=time.monotonic() - t0,
+                       reason=f"timed out after {budget:.0f} s (step limit); last output: {_tail(log)}")
+    secs = time.monotonic() - t0
+    if result.exists():
+        d = json.loads(result.read_text())
+        return Row(name=name, status=d["status"], reason=d.get("reason", ""), seconds=secs,
+                   figures=d.get("figures", {}))
+    return Row(name=name, status="FAIL", seconds=secs, reason=f"step exited {rc} without a result: {_tail(log)}")
 
 
-def _hier_worker() -> None:  # one rank of check 4 (launched as a subprocess)
-    import json
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
 
-    import torch
-    import torch.distributed as tdist
-
-    import memrt.comm as dist
-
-    backend = environ().get("GPU_CHECK_BACKEND", "nccl")
-    torch.cuda.set_device(0)
-    dist.init_process_group(backend)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    ok = True
-    for numel in (1, 7, 1000003, 16 * 2**20):
-        for dtype in (torch.float32, torch.bfloat16):
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randint(-8, 8, (numel,), generator=g).to(dtype).cuda()
-            ref = x.clone()
-            tdist.all_reduce(ref)
-            dist.all_reduce(x)
-            ok &= torch.equal(x, ref)  # small integers: every reduction order gives the same sum
-    if rank == 0:
-        print("RESULT " + json.dumps({"backend": backend, "world": n, "equal": bool(ok),
-                                      "algorithm_topology": str(dist.get_topology().nodes)}), flush=True)
-    dist.destroy_process_group()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the step's own process group: its ranks and pytest children too
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
 
 
-def check_hier() -> dict[str, Any]:
-    tried = []
-    for backend in ("nccl", "gloo"):
-        try:
-            outs = launch_ranks(["python", "-m", "benchmarks.gpu_check", "--hier-worker"], nodes=((0, 1), (2, 3)),
-                                env={"MEMRT_TOPOLOGY": "0,1;2,3", "MEMRT_COMM": "hier", "GPU_CHECK_BACKEND": backend},
-                                timeout_s=180)
-            r = result_lines(outs)[0]
-            r["tried"] = tried
-            r["status"] = "PASS" if r["equal"] else "FAIL"
-            print(f"4. hierarchical all_reduce, CUDA tensors, {backend}: {r['status']} (tried before: {tried})")
-            return r
-        except (RuntimeError, TimeoutError) as exc:
-            tried.append(f"{backend}: {str(exc)[-300:]}")
-    print(f"4. hierarchical all_reduce: FAIL ({tried})")
-    return {"status": "FAIL", "tried": tried}
+def _tail(path: Path, n: int = 300) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-n:].splitlines()[-4:]) or "(empty log)"
+
+
+# ---------------------------------------------------------------------------------- one step, in a child process
+def step_main(name: str, out: Path) -> int:
+    """Run one step; write ``out/logs/<name>.json``."""
+    from benchmarks import gpu_steps
+
+    fn = getattr(gpu_steps, f"step_{name}")
+    try:
+        status, reason, figures = fn(out)
+    except Exception as exc:  # noqa: BLE001 - the row says what broke
+        import traceback
+
+        traceback.print_exc()
+        status, reason, figures = "FAIL", f"{type(exc).__name__}: {str(exc)[:300]}", {}
+    path = out / "logs" / f"{name}.json"
+    path.write_text(json.dumps({"status": status, "reason": reason, "figures": figures}, default=str))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(description="memrt's CUDA checks")
-    p.add_argument("--out", default=None, help="directory for gpu_check.json/png (default: $OUT or ./gpu-check)")
-    p.add_argument("--hier-worker", action="store_true", help=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(description="memrt's device check (see benchmarks/gpu_check.sh)")
+    p.add_argument("--out", default="gpu-check", help="folder for gpu_check.json / .txt and logs/")
+    p.add_argument("--dry-run", action="store_true", help="CPU: skip the CUDA steps with the reason, pip --dry-run")
+    p.add_argument("--limit", type=float, default=390.0, help="seconds for the whole run (<= 405)")
+    p.add_argument("--step", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.hier_worker:
-        _hier_worker()
-        return 0
-    import torch
+    out = Path(args.out).resolve()
+    if args.step:
+        return step_main(args.step, out)
+    if not 30 <= args.limit <= 405:
+        p.error(f"--limit={args.limit} is not valid: expected 30..405 seconds (the device slot is 6 minutes)")
+    run = Run(out, args.limit, args.dry_run)
+    t = time.monotonic()
+    env = run.add(_timed(environment(), t))
+    cuda = run.add(cuda_row(env, args.dry_run))
+    if env.status == "FAIL" or cuda.status == "FAIL":
+        why = f"not run: {cuda.reason if env.status != 'FAIL' else env.reason}"
+        for name in ["install"] + [n for n, _, _ in STEPS]:
+            run.add(Row(name=name, status="SKIP", reason=why))
+        return 1
+    t = time.monotonic()
+    inst = run.add(_timed(install(sys.executable, dry_run=args.dry_run, timeout_s=min(60.0, run.left() - 5),
+                                  log=out / "logs" / "install.log"), t))
+    for name, own_s, needs_cuda in STEPS:
+        if needs_cuda and cuda.status != "PASS":
+            run.add(Row(name=name, status="SKIP", reason=f"needs CUDA: {cuda.reason}"))
+        elif inst.status == "FAIL" and not args.dry_run:
+            run.add(Row(name=name, status="SKIP", reason="not run: memrt is not installed (see the install row)"))
+        else:
+            run.add(run_step(run, name, own_s, sys.executable))
+    run.write()
+    bad = [r.name for r in run.rows if r.status == "FAIL"]
+    print(f"gpu_check: {'FAIL (' + ', '.join(bad) + ')' if bad else 'no FAIL'}; table {out / 'gpu_check.txt'}")
+    return 1 if bad else 0
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here (run benchmarks/gpu_check.sh on a machine with a GPU)")
-        return 0
-    out = Path(args.out or environ().get("OUT") or "gpu-check")
-    info = machine_info()
-    print(machine_line(info), flush=True)
-    results: dict[str, Any] = {}
-    for name, fn in (("planner", check_planner), ("frontier_offload", check_frontier_and_offload),
-                     ("hierarchical", check_hier)):
-        t0 = time.perf_counter()
-        try:
-            results[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
-            traceback.print_exc()
-            results[name] = {"status": "FAIL", "error": f"{type(exc).__name__}: {exc}"}
-        results[name]["seconds"] = time.perf_counter() - t0
-        torch.cuda.empty_cache()
-    write_json(out, "gpu_check", {"machine": info, "results": results})
-    fr = results["frontier_offload"].get("rows", [])
 
-    def draw(plt):
-        for r in fr:
-            if "peak_bytes" in r:
-                plt.scatter(r["peak_bytes"] / 2**20, r["step_s"] * 1e3, color="tab:red" if "memrt" in r["arm"] else "tab:blue")
-                plt.annotate(r["arm"], (r["peak_bytes"] / 2**20, r["step_s"] * 1e3), fontsize=7)
-        plt.xlabel("CUDA allocator peak (MiB)")
-        plt.ylabel("step (ms)")
-    save_plot(out, "gpu_check", draw)
-    for name, r in results.items():
-        print(f"{name}: {r['status']} ({r['seconds']:.0f} s)")
-    return 1 if any(r["status"] == "FAIL" for r in results.values()) else 0
+def _timed(row: Row, t0: float) -> Row:
+    row.seconds = time.monotonic() - t0
+    return row
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from memrt.comm.streams import bound
 from memrt.comm.tiers import DONE, HierGroups, Tier, combine_, op_name, torch_groups
 from memrt.comm.topology import Topology
 
@@ -101,6 +102,10 @@ def auto_chunk_bytes(nbytes: int, cap: int = DEFAULT_CHUNK_BYTES) -> int:
 
 
 def check_reducible(tensor: torch.Tensor, op: str) -> None:
+    """Raise for reductions torch.distributed rejects, with torch's error type and words."""
+    if tensor.is_complex() and op in ("MIN", "MAX", "PRODUCT"):
+        # torch.distributed.all_reduce's own check (distributed_c10d.supports_complex)
+        raise ValueError(f"all_reduce does not support {op} on complex tensors")
     if op == "AVG" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"ReduceOp.AVG of a {tensor.dtype} tensor is not defined (torch.distributed's gloo "
                         "raises too): all-reduce with SUM and divide, or use a floating-point tensor")
@@ -186,7 +191,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op: Any, topology: Topology, *
             if plug is None:
                 works.append(tier.all_reduce(view, opn))
             else:
-                works.append(_FutureWait(_plug_executor().submit(plug, view, tier.handle), view))
+                fn = bound(plug, view.device if view.is_cuda else None)  # the plug thread: same device and stream
+                works.append(_FutureWait(_plug_executor().submit(fn, view, tier.handle), view))
         ar[c] = works
 
     def finish_ar_start_ag(c: int) -> None:
@@ -292,10 +298,12 @@ def _uniform(g: HierGroups) -> bool:
 
 
 def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topology, *,
-                            groups: HierGroups | None = None) -> torch.Tensor:
+                            groups: HierGroups | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
     """``out`` (world * inp.numel(), rank order) gathers every rank's ``inp``: inter-node first, then intra.
 
-    Equal nodes only (raises ValueError otherwise; the caller falls back to flat).
+    Pipelined over chunks of ``chunk_bytes`` of each rank's block: the inter-node all-gather of chunk
+    k+1 runs while chunk k is gathered inside the node and copied into place (temporaries stay chunk
+    sized). Equal nodes only (raises ValueError otherwise; the caller falls back to flat).
     """
     g = groups if groups is not None else torch_groups(topology)
     if not _uniform(g):
@@ -303,26 +311,52 @@ def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topo
     topo = g.topology
     m, k, nn = inp.numel(), topo.local_size, topo.num_nodes
     x = inp.reshape(-1).contiguous()
-    by_node = torch.empty(nn * m, dtype=x.dtype, device=x.device)
-    g.slot_tier.all_gather(by_node, x).wait()
-    if g.intra_ag is not None:
-        full = torch.empty(k * nn * m, dtype=x.dtype, device=x.device)
-        g.intra_ag.all_gather(full, by_node).wait()
-    else:
-        full = by_node
-    full = full.view(k, nn, m)
     o = out.view(-1)
-    for i, node in enumerate(topo.nodes):
-        for jj, r in enumerate(node):
-            o[r * m:(r + 1) * m].copy_(full[jj, i])
+    chunk = max(1, chunk_bytes // max(x.element_size(), 1))
+    inter_q: list[tuple[Any, torch.Tensor, int, int]] = []
+    intra_q: list[tuple[Any, torch.Tensor, int, int]] = []
+
+    def start_intra(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, by_node, c0, c1 = item
+        work.wait()
+        if g.intra_ag is None:
+            intra_q.append((None, by_node, c0, c1))
+            return
+        full = torch.empty(k * nn * (c1 - c0), dtype=x.dtype, device=x.device)
+        intra_q.append((g.intra_ag.all_gather(full, by_node), full, c0, c1))
+
+    def place(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, full, c0, c1 = item
+        if work is not None:
+            work.wait()
+        view = full.view(k if g.intra_ag is not None else 1, nn, c1 - c0)
+        for i, node in enumerate(topo.nodes):
+            for jj, r in enumerate(node):
+                o[r * m + c0:r * m + c1].copy_(view[jj if g.intra_ag is not None else 0, i])
+
+    for c0 in range(0, m, chunk):
+        c1 = min(m, c0 + chunk)
+        by_node = torch.empty(nn * (c1 - c0), dtype=x.dtype, device=x.device)
+        inter_q.append((g.slot_tier.all_gather(by_node, x[c0:c1]), by_node, c0, c1))
+        if len(inter_q) > 1:
+            start_intra(inter_q.pop(0))
+        if len(intra_q) > 1:
+            place(intra_q.pop(0))
+    while inter_q:
+        start_intra(inter_q.pop(0))
+    while intra_q:
+        place(intra_q.pop(0))
     return out
 
 
 def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, topology: Topology, *,
-                                groups: HierGroups | None = None) -> torch.Tensor:
+                                groups: HierGroups | None = None,
+                                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
     """``out`` = this rank's block of ``inp`` (world blocks, rank order) reduced: intra-node, then inter-node.
 
-    Order: node_0 (op) node_1 ..., each node's ranks in local order. Equal nodes only.
+    Order: node_0 (op) node_1 ..., each node's ranks in local order. Equal nodes only. Pipelined over
+    chunks of ``chunk_bytes`` of each block: the intra-node exchange of chunk k+1 runs while chunk k is
+    reduced and exchanged across nodes (the order of every element's reduction does not change).
     """
     opn = op_name(op)
     check_reducible(inp, opn)
@@ -334,10 +368,46 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
     m = out.numel()
     blocks = inp.reshape(-1).view(topo.world_size, m)
     # slot-major layout: for local slot j, the blocks of ranks nodes[0][j], nodes[1][j], ...
-    order = [topo.nodes[i][jj] for jj in range(k) for i in range(nn)]
-    arranged = blocks[torch.tensor(order, device=blocks.device)].reshape(-1)
-    mine = ordered_reduce_scatter(g.intra_rs, arranged, opn) if g.intra_rs is not None else arranged
-    res = ordered_reduce_scatter(g.slot_tier, mine, opn)
+    order = torch.tensor([topo.nodes[i][jj] for jj in range(k) for i in range(nn)], device=blocks.device)
+    res = torch.empty(m, dtype=inp.dtype, device=inp.device)
+    chunk = max(1, chunk_bytes // max(inp.element_size(), 1))
+    intra_q: list[tuple[Any, torch.Tensor, int, int]] = []
+    inter_q: list[tuple[Any, torch.Tensor, int, int]] = []
+
+    def start_inter(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, got, c0, c1 = item
+        w = c1 - c0
+        if work is not None:  # this slot's nn * w elements from every local rank: reduce in local order
+            work.wait()
+            mine = torch.empty(nn * w, dtype=got.dtype, device=got.device)
+            _ordered_reduce(got.view(k, nn * w), mine, opn)
+        else:
+            mine = got
+        recv = torch.empty(nn * w, dtype=mine.dtype, device=mine.device)
+        inter_q.append((g.slot_tier.all_to_all(recv, mine, [w] * nn, [w] * nn), recv, c0, c1))
+
+    def finish(item: tuple[Any, torch.Tensor, int, int]) -> None:
+        work, recv, c0, c1 = item
+        work.wait()
+        _ordered_reduce(recv.view(nn, c1 - c0), res[c0:c1], opn)  # node order
+
+    for c0 in range(0, m, chunk):
+        c1 = min(m, c0 + chunk)
+        w = c1 - c0
+        arranged = blocks[order, c0:c1].reshape(-1)
+        if g.intra_rs is not None:
+            got = torch.empty(k * nn * w, dtype=inp.dtype, device=inp.device)
+            intra_q.append((g.intra_rs.all_to_all(got, arranged, [nn * w] * k, [nn * w] * k), got, c0, c1))
+        else:
+            intra_q.append((None, arranged, c0, c1))
+        if len(intra_q) > 1:
+            start_inter(intra_q.pop(0))
+        if len(inter_q) > 1:
+            finish(inter_q.pop(0))
+    while intra_q:
+        start_inter(intra_q.pop(0))
+    while inter_q:
+        finish(inter_q.pop(0))
     if opn == "AVG":
         res.div_(topo.world_size)
     out.view(-1).copy_(res)

@@ -5,15 +5,16 @@ call, peer-failure diagnosis); calls on other groups, and every name memrt does 
 straight to torch.distributed. memrt's own algorithms run on one worker thread in call order, so
 ``async_op=True`` returns a real waitable :class:`MemrtWork` and ordering across ranks is kept.
 
-Algorithm choice (the issue-6 seam): ``memrt.comm.select.choose`` when that module is present, else
-``MEMRT_COMM`` (auto = hierarchical when there is more than one node, some node has several ranks
-and the tensor is at least :data:`AUTO_MIN_BYTES`).
+Algorithm choice, for every op: :func:`memrt.comm.select.choose` (``MEMRT_COMM=flat|hier`` forces,
+``auto`` takes the cost model's fastest; hierarchical needs more than one node with some node of
+several ranks). Profiler events: one per user call, named as the backend's (:mod:`memrt.comm.events`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,19 +24,17 @@ import torch.distributed as tdist
 
 from memrt.agreement import check_or_exit as check_settings_agree
 from memrt.comm import algorithms as alg
+from memrt.comm import events
+from memrt.comm import streams
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
 from memrt.comm.tiers import HierGroups, clear_group_cache, op_name, torch_groups
 from memrt.comm.topology import Topology, discover
 
 __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup_topology", "all_reduce",
            "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-           "reduce_scatter_single", "MemrtWork", "AUTO_MIN_BYTES", "set_checks"]
+           "reduce_scatter_single", "MemrtWork", "set_checks", "prepare"]
 
 logger = logging.getLogger(__name__)
-
-AUTO_MIN_BYTES = 4 * 1024 * 1024
-"""Below this size MEMRT_COMM=auto stays flat (latency dominates; two extra hops do not pay)."""
-
 
 @dataclass(slots=True)
 class _State:
@@ -48,6 +47,10 @@ class _State:
     checks: bool = False
     executor: cf.ThreadPoolExecutor | None = None
     warned: set = field(default_factory=set)
+    deferred: dict | None = None
+    warmed: list = field(default_factory=list)
+    """Member ranks of each group warmed at set-up, in order."""
+    """set_up's arguments while discovery waits for the first memrt collective (NCCL: after set_device)."""
 
 
 _st = _State()
@@ -63,7 +66,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     With no arguments it works under torchrun, mpiexec/mpirun (rendezvous over mpi4py when
     MASTER_ADDR is unset) and srun. ``backend="mpi"`` without torch's own MPI build runs memrt's MPI
     backend (mpi4py) for CPU collectives, over a gloo group for everything else.
-    ``intra_backend="mpi"`` uses MPI for the intra-node tier only.
+    ``intra_backend="mpi"`` uses MPI for the intra-node tier only. On NCCL, discovery (an object
+    collective on a CUDA device) waits for the first memrt collective or :func:`prepare`, i.e. after the
+    script's ``torch.cuda.set_device``; elsewhere it runs here.
     """
     from memrt.config import environ
     from memrt.launcher import discover_launch, mpi_rendezvous
@@ -89,6 +94,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                              world_size=world_size, rank=rank, store=store, group_name=group_name,
                              pg_options=pg_options, device_id=device_id)
     check_settings_agree()  # before the first collective: ranks with different MEMRT_* settings exit 2
+    if streams.is_nccl() and not mpi_job:
+        _st.deferred = dict(mpi_job=mpi_job, intra_backend=intra_backend, health=health, device_id=device_id)
+        return
     setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health)
 
 
@@ -124,10 +132,22 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
-def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, health: bool = True) -> Topology:
-    """Discover the topology and create the groups (collective; init_process_group calls it)."""
+def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, health: bool = True,
+                   device: Any = None, device_id: Any = None) -> Topology:
+    """Discover the topology, create the groups and warm them (collective; init_process_group calls it).
+
+    On NCCL every set-up collective runs on :func:`memrt.comm.streams.setup_device` (``device``, a
+    collective's tensor device, first): never on cuda:0 of every rank.
+    """
+    dev = streams.setup_device(device, device_id=device_id)
+    with streams.on_device(dev):
+        return _setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health, device=dev)
+
+
+def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool, device: Any) -> Topology:
     from memrt.config import load_config
 
+    _st.deferred = None
     _st.config = load_config(warn_unknown=False)
     topo = discover()
     _st.topology = topo
@@ -138,6 +158,8 @@ def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, h
             _st.groups = mixed_groups(topo)
         else:
             _st.groups = torch_groups(topo)
+        # every communicator created now, once, in one order on every rank (not lazily mid-backward)
+        _st.warmed = streams.warm_groups(_st.groups, device)
     if mpi_job:
         from memrt.comm.mpi_backend import MPIBackend
 
@@ -176,17 +198,26 @@ def destroy_process_group(group: Any = None) -> None:
 
 
 def get_topology() -> Topology:
-    """This job's :class:`Topology` (discovered at init; collective the first time if init was torch's own)."""
+    """This job's :class:`Topology` (discovered at init; collective the first time if init was torch's own
+    or the backend is NCCL)."""
     _ensure()
     return _st.topology
 
 
-def _ensure() -> None:
+def prepare(device: Any = None) -> Topology:
+    """Discovery, groups and their warm-up now, on ``device`` (collective; e.g. before DDP's first backward:
+    a comm hook's first call then creates no communicator mid-backward). Idempotent."""
+    _ensure(device)
+    return _st.topology
+
+
+def _ensure(device: Any = None) -> None:
     if _st.topology is None:
         if not tdist.is_initialized():
             raise RuntimeError("memrt.comm: the default process group is not initialized: call "
                                "memrt.comm.init_process_group() first")
-        setup_topology()
+        with events.quiet():  # discovery's collectives are memrt's, not the user's
+            setup_topology(device=device, **(_st.deferred or {}))
 
 
 # ---------------------------------------------------------------- work objects
@@ -231,10 +262,19 @@ class MemrtWork:
 
 
 class _RecordedWork:
-    """A torch Work that records its CommRecord when waited on, and diagnoses peer failures."""
+    """A torch Work that records its CommRecord once, when waited on or when its future completes
+    (DDP's comm hooks only use ``get_future()``), and diagnoses peer failures."""
 
     def __init__(self, work: Any, finish: Callable[[], None], name: str) -> None:
-        self._work, self._finish, self._name = work, finish, name
+        self._work, self._name = work, name
+        self._pending: Callable[[], None] | None = finish
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        with self._lock:
+            finish, self._pending = self._pending, None
+        if finish is not None:
+            finish()
 
     def wait(self, *args: Any, **kw: Any) -> bool:
         try:
@@ -243,6 +283,15 @@ class _RecordedWork:
             _raise_diagnosed(self._name, exc)
         self._finish()
         return ok
+
+    def get_future(self) -> torch.futures.Future:
+        """The work's future, chained so that the call is recorded when it completes (same value)."""
+        def done(fut: torch.futures.Future) -> Any:
+            value = fut.value()  # raises (and records nothing) when the collective failed
+            self._finish()
+            return value
+
+        return self._work.get_future().then(done)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -258,63 +307,42 @@ def _raise_diagnosed(name: str, exc: BaseException) -> None:
 
 # ---------------------------------------------------------------- recording and choice
 def _record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, start: float, tier: dict[str, int],
-            predicted: float | None, reason: str = "") -> None:
+            predicted: float | None, redop: str = "", reason: str = "") -> None:
+    """One CommRecord; its size is nccl-tests' (all_gather: the gathered output, ``nbytes`` x ranks)."""
     from memrt.profiling.recorder import CommRecord, get_recorder
 
+    world = _world()
     get_recorder().record_comm(CommRecord(
-        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes), group_size=_world(),
-        algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier, predicted_seconds=predicted,
-        start=start, reason=reason))
+        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes) * (world if op == "all_gather" else 1),
+        group_size=world, algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier,
+        predicted_seconds=predicted, start=start, redop=redop, reason=reason))
 
 
 def _world() -> int:
     return _st.topology.world_size if _st.topology is not None else tdist.get_world_size()
 
 
-def tier_bytes(op: str, algorithm: str, nbytes: int, topo: Topology) -> dict[str, int]:
-    """Bytes this rank sends per tier for one call (ring flat algorithms; memrt's hierarchical ones)."""
-    w, n, k = topo.world_size, topo.num_nodes, topo.local_size
-    if algorithm.startswith("hier"):
-        if op == "all_reduce" and "+" in algorithm:  # issue 6: compressed inter hop
-            from memrt.comm.select import tier_bytes as compressed_tier_bytes
+def tier_bytes(op: str, algorithm: str, nbytes: int, topo: Topology, element_size: int = 4) -> dict[str, int]:
+    """Bytes this rank sends per tier for one call: :func:`memrt.comm.select.tier_bytes` on ``topo``."""
+    from memrt.comm.select import tier_bytes as _tier_bytes
 
-            return compressed_tier_bytes(algorithm, nbytes, topo.nodes, topo.rank)
-        if op == "all_reduce":
-            return {"intra": int(2 * (k - 1) / k * nbytes), "inter": int(2 * (n - 1) / n * nbytes / k) if n > 1 else 0}
-        if op == "broadcast":
-            return {"intra": int(nbytes), "inter": int(nbytes)}
-        m = nbytes // w if op == "reduce_scatter" else nbytes  # per-rank block
-        return {"intra": int((k - 1) * n * m), "inter": int((n - 1) * m)}
-    crossing = topo.node_of((topo.rank + 1) % w) != topo.node_index
-    sent = {"all_reduce": 2 * (w - 1) / w * nbytes, "broadcast": nbytes,
-            "all_gather": (w - 1) * nbytes, "reduce_scatter": (w - 1) / w * nbytes}.get(op, nbytes)
-    return {"intra": 0, "inter": int(sent)} if crossing else {"intra": int(sent), "inter": 0}
+    return _tier_bytes(algorithm, nbytes, tuple(tuple(n) for n in topo.nodes), topo.rank, element_size, op=op)
 
 
-def _decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None) -> tuple[str, float | None]:
+def _decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0) -> tuple[str, float | None]:
+    """(algorithm, predicted seconds) for one call: memrt.comm.select.choose, the cost model's pick."""
     cfg, topo = _st.config, _st.topology
     if cfg.comm == "off":
         return "off", None
     if not topo.hierarchical_useful or _st.groups is None:
         return "flat", None
-    if op == "all_reduce":
-        try:
-            from memrt.comm.select import choose  # issue 6: per-call choice by the cost model
-        except ImportError:
-            choose = None
-        if choose is not None:
-            exact = _exact_config(cfg)  # compression is asked per call (compress=, DDP hook), never by the config
-            try:
-                d = choose(op, nbytes, dtype, topo, exact, reduce_op=reduce_op)
-            except TypeError:
-                d = choose(op, nbytes, dtype, topo, exact)
-            logger.debug("all_reduce %d B: %s (%s)", nbytes, d.algorithm, d.reason)
-            return d.algorithm, d.predicted_seconds
-    if op in ("all_gather", "reduce_scatter") and not topo.is_uniform:
-        return "flat", None
-    if cfg.comm == "hier" or (cfg.comm == "auto" and nbytes >= AUTO_MIN_BYTES):
-        return "hier", None
-    return "flat", None
+    from memrt.comm.select import choose
+
+    # compression is asked per call (the DDP hook under MEMRT_COMPRESS, compress=), never by the config alone
+    d = choose(op, nbytes, dtype, topo, _exact_config(cfg), reduce_op=reduce_op, backend=str(tdist.get_backend()),
+               src=src)
+    logger.debug("%s %d B: %s (%s)", op, nbytes, d.algorithm, d.reason)
+    return d.algorithm, d.predicted_seconds
 
 
 _exact_cfg: list[Any] = [None, None]
@@ -356,20 +384,29 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
 
 
 def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: float | None, fn: Callable[[], Any],
-         async_op: bool, outputs: list[torch.Tensor], reason: str = "") -> MemrtWork | None:
+         async_op: bool, outputs: list[torch.Tensor], redop: str = "", reason: str = "") -> MemrtWork | None:
+    """Run memrt's own algorithm ``fn`` for the user's call on the comm thread (one profiler event of the
+    backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there)."""
     start = time.perf_counter()
-    tier = tier_bytes(name, algorithm, nbytes, _st.topology)
+    tier = tier_bytes(name, algorithm, nbytes, _st.topology, t.element_size())
+    sub = streams.DeviceSubmission(t)  # CUDA: the worker's device and stream; done = the GPU work is done
+    event = events.begin(name, [t])
 
     def job() -> None:
         try:
+            # quiet: a profiler that records every thread would otherwise show fn's sub-collectives
             if _st.health is not None:
-                with _st.health.inside(name):
-                    fn()
+                with _st.health.inside(name), events.quiet():
+                    sub.run(fn)
             else:
-                fn()
+                with events.quiet():
+                    sub.run(fn)
         except Exception as exc:  # noqa: BLE001
             _raise_diagnosed(name, exc)
-        _record(name, t, nbytes, algorithm, start, tier, predicted, reason)
+        finally:
+            if event is not None:
+                event.end(here=True)
+        _record(name, t, nbytes, algorithm, start, tier, predicted, redop, reason)
 
     work = MemrtWork(_st.executor.submit(job), outputs)
     if async_op:
@@ -379,10 +416,17 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
 
 
 def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], async_op: bool,
-                predicted: float | None = None, reason: str = "") -> Any:
+                predicted: float | None = None, redop: str = "", reason: str = "") -> Any:
     start = time.perf_counter()
-    tier = tier_bytes(name, "flat", nbytes, _st.topology)
-    finish = lambda: _record(name, t, nbytes, "flat", start, tier, predicted, reason)  # noqa: E731
+    tier = tier_bytes(name, "flat", nbytes, _st.topology, t.element_size())
+    timer = _CudaTimer(t) if t.is_cuda else None  # CUDA: seconds and the watchdog follow completion
+
+    def finish() -> None:
+        if timer is None:
+            _record(name, t, nbytes, "flat", start, tier, predicted, redop, reason)
+        else:
+            timer.finish(name, t, nbytes, start, tier, predicted, redop, reason)
+
     try:
         with (_st.health.inside(name) if _st.health is not None else _null()):
             work = call()
@@ -392,6 +436,35 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
         return _RecordedWork(work, finish, name)
     finish()
     return None
+
+
+class _CudaTimer:
+    """CUDA events around a flat torch collective: the record's seconds run to completion (read later, no
+    host wait) and the hang watchdog watches the end event rather than the enqueue."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device = t.device
+        self.start_ev = torch.cuda.Event(enable_timing=True)
+        self.start_ev.record(torch.cuda.current_stream(self.device))
+
+    def finish(self, name: str, t: torch.Tensor, nbytes: int, start: float, tier: dict[str, int],
+               predicted: float | None, redop: str = "", reason: str = "") -> None:
+        from memrt.profiling.recorder import CommRecord, get_recorder
+
+        end_ev = torch.cuda.Event(enable_timing=True)
+        end_ev.record(torch.cuda.current_stream(self.device))  # after the call (or wait): joined the comm stream
+        if _st.health is not None and hasattr(_st.health, "track"):
+            _st.health.track(name, end_ev)
+        get_recorder().record_comm_pending(CommRecord(
+            op=name, dtype=str(t.dtype).replace("torch.", ""),
+            nbytes=int(nbytes) * (_world() if name == "all_gather" else 1), group_size=_world(),
+            algorithm="flat", seconds=0.0, tier_bytes=tier, predicted_seconds=predicted, start=start, redop=redop,
+            reason=reason), self.start_ev, end_ev)
+
+
+def _check(op: str, tensor: torch.Tensor, group: Any, *, extra: int = 0) -> None:
+    with events.quiet():  # the cross-rank argument check is memrt's collective, not the user's
+        check_signatures(op, tensor, group, extra=extra)
 
 
 class _null:
@@ -433,7 +506,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     caller's gradient buffer (a compress.FeedbackKey) for error feedback, None for none."""
     if not _mine(group):
         return tdist.all_reduce(tensor, op, group, async_op)
-    _ensure()
+    _ensure(tensor.device)
     try:
         opn = op_name(op)
     except ValueError:  # PREMUL_SUM, BAND, ...: torch's
@@ -441,7 +514,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     alg.check_reducible(tensor, opn)
     nbytes = tensor.numel() * tensor.element_size()
     if _st.checks:
-        check_signatures("all_reduce", tensor, _st.check_group, extra=list(_OPN).index(opn))
+        _check("all_reduce", tensor, _st.check_group, extra=list(_OPN).index(opn))
     algorithm, predicted = _decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
@@ -455,7 +528,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     if _st.mpi is not None and tensor.device.type == "cpu":
         mpi_algo = "hier" if algorithm.startswith("hier") else "flat"
         return _run("all_reduce", tensor, nbytes, mpi_algo + "@mpi", predicted,
-                    lambda: _st.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor])
+                    lambda: _st.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor], opn.lower())
     if algorithm.startswith("hier"):
         plug = _plug_for(algorithm, key, tensor.data_ptr())
         chunk = None
@@ -466,9 +539,9 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
         return _run("all_reduce", tensor, nbytes, algorithm, predicted,
                     lambda: alg.hierarchical_all_reduce(tensor, opn, _st.topology, inter_all_reduce=plug,
                                                         groups=_st.groups, chunk_bytes=chunk), async_op, [tensor],
-                    reason)
+                    opn.lower(), reason)
     return _flat_torch("all_reduce", tensor, nbytes,
-                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, reason)
+                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
 
 
 _OPN = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
@@ -479,20 +552,21 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     """torch.distributed.broadcast; across nodes once then inside each node when that pays."""
     if not _mine(group) or group_src is not None or src is None:
         return tdist.broadcast(tensor, src, group, async_op, group_src=group_src)
-    _ensure()
+    _ensure(tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
     if _st.checks:
-        check_signatures("broadcast", tensor, _st.check_group, extra=src)
+        _check("broadcast", tensor, _st.check_group, extra=src)
     if _st.mpi is not None and tensor.device.type == "cpu":
         return _run("broadcast", tensor, nbytes, "flat@mpi", None, lambda: _st.mpi.broadcast(tensor, src),
                     async_op, [tensor])
-    algorithm, _ = _decide("broadcast", nbytes, tensor.dtype)
+    algorithm, predicted = _decide("broadcast", nbytes, tensor.dtype, src=src)
     if algorithm == "off":
         return tdist.broadcast(tensor, src, group, async_op)
     if algorithm == "hier":
-        return _run("broadcast", tensor, nbytes, "hier", None,
+        return _run("broadcast", tensor, nbytes, "hier", predicted,
                     lambda: alg.hierarchical_broadcast(tensor, src, _st.topology, groups=_st.groups), async_op, [tensor])
-    return _flat_torch("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op)
+    return _flat_torch("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
+                       predicted)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -501,20 +575,23 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     flat_fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
     if not _mine(group):
         return flat_fn(output_tensor, input_tensor, group, async_op)
-    _ensure()
+    _ensure(input_tensor.device)
     nbytes = input_tensor.numel() * input_tensor.element_size()
     if _st.checks:
-        check_signatures("all_gather", input_tensor, _st.check_group)
+        _check("all_gather", input_tensor, _st.check_group)
     if _st.mpi is not None and input_tensor.device.type == "cpu":
         return _run("all_gather", input_tensor, nbytes, "flat@mpi", None,
                     lambda: _st.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op, [output_tensor])
-    algorithm, _ = _decide("all_gather", nbytes, input_tensor.dtype)
+    algorithm, predicted = _decide("all_gather", nbytes, input_tensor.dtype)
+    if algorithm == "off":
+        return flat_fn(output_tensor, input_tensor, group, async_op)
     if algorithm == "hier" and output_tensor.is_contiguous():
-        return _run("all_gather", input_tensor, nbytes, "hier", None,
+        return _run("all_gather", input_tensor, nbytes, "hier", predicted,
                     lambda: alg.hierarchical_all_gather(output_tensor, input_tensor, _st.topology, groups=_st.groups),
                     async_op, [output_tensor])
     return _flat_torch("all_gather", input_tensor, nbytes,
-                       lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op)
+                       lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
+                       predicted if algorithm == "flat" else None)
 
 
 all_gather_single = all_gather_into_tensor
@@ -524,14 +601,16 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     """torch.distributed.all_gather; equal-shape lists take the hierarchical path when it pays."""
     if not _mine(group) or any(t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list):
         return tdist.all_gather(tensor_list, tensor, group, async_op)
-    _ensure()
+    _ensure(tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
-    algorithm, _ = _decide("all_gather", nbytes, tensor.dtype)
+    algorithm, predicted = _decide("all_gather", nbytes, tensor.dtype)
+    if algorithm == "off":
+        return tdist.all_gather(tensor_list, tensor, group, async_op)
     if algorithm != "hier" or _st.mpi is not None:
         return _flat_torch("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
-                           async_op)
+                           async_op, predicted if algorithm == "flat" else None)
     if _st.checks:
-        check_signatures("all_gather", tensor, _st.check_group)
+        _check("all_gather", tensor, _st.check_group)
 
     def fn() -> None:
         out = torch.empty(len(tensor_list) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
@@ -539,7 +618,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         for i, t in enumerate(tensor_list):
             t.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view(tensor.shape))
 
-    return _run("all_gather", tensor, nbytes, "hier", None, fn, async_op, list(tensor_list))
+    return _run("all_gather", tensor, nbytes, "hier", predicted, fn, async_op, list(tensor_list))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = tdist.ReduceOp.SUM,  # noqa: A002
@@ -548,21 +627,24 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     flat_fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
     if not _mine(group):
         return flat_fn(output, input, op, group, async_op)
-    _ensure()
+    _ensure(input.device)
     opn = op_name(op)
     alg.check_reducible(input, opn)
     nbytes = input.numel() * input.element_size()
     if _st.checks:
-        check_signatures("reduce_scatter", input, _st.check_group, extra=list(_OPN).index(opn))
+        _check("reduce_scatter", input, _st.check_group, extra=list(_OPN).index(opn))
     if _st.mpi is not None and input.device.type == "cpu":
         return _run("reduce_scatter", input, nbytes, "flat@mpi", None,
-                    lambda: _st.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output])
-    algorithm, _ = _decide("reduce_scatter", nbytes, input.dtype)
+                    lambda: _st.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())
+    algorithm, predicted = _decide("reduce_scatter", nbytes, input.dtype, op)
+    if algorithm == "off":
+        return flat_fn(output, input, op, group, async_op)
     if algorithm == "hier" and output.is_contiguous():
-        return _run("reduce_scatter", input, nbytes, "hier", None,
+        return _run("reduce_scatter", input, nbytes, "hier", predicted,
                     lambda: alg.hierarchical_reduce_scatter(output, input, opn, _st.topology, groups=_st.groups),
-                    async_op, [output])
-    return _flat_torch("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op)
+                    async_op, [output], opn.lower())
+    return _flat_torch("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op,
+                       predicted if algorithm == "flat" else None, opn.lower())
 
 
 reduce_scatter_single = reduce_scatter_tensor

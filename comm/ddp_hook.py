@@ -68,7 +68,18 @@ def ddp_comm_hook(state: Any, bucket):  # no annotations: DDP rejects any but th
 
 
 def register_ddp_hook(ddp_model: Any, *, compress: str | None = None) -> Any:
-    """Register :func:`ddp_comm_hook` on ``ddp_model`` (a DistributedDataParallel); returns the model."""
-    ddp_model.register_comm_hook(DDPHookState(compress=compress, process_group=ddp_model.process_group),
-                                 ddp_comm_hook)
+    """Register :func:`ddp_comm_hook` on ``ddp_model`` (a DistributedDataParallel); returns the model.
+
+    Collective (every rank, as DDP's construction): memrt.comm's topology and groups are set up and every
+    communicator is warmed here, on the model's device, so the hook's first call creates none mid-backward."""
+    from memrt.comm.compress import check_compress
+
+    check_compress(compress, "compress")  # before any collective: a bad value fails on every rank alike
+    group = ddp_model.process_group
+    if group is None or group is tdist.GroupMember.WORLD or group is tdist.distributed_c10d._get_default_group():
+        from memrt.comm.api import prepare
+
+        param = next(iter(ddp_model.parameters()), None)
+        prepare(param.device if param is not None else None)  # groups created and warmed now, not mid-backward
+    ddp_model.register_comm_hook(DDPHookState(compress=compress, process_group=group), ddp_comm_hook)
     return ddp_model

@@ -2,9 +2,9 @@
 
 One row per (op, size bucket, algorithm): calls, bytes sent per tier, predicted and measured mean
 time, algorithm bandwidth and bus bandwidth as nccl-tests defines them (NVIDIA nccl-tests,
-``doc/PERFORMANCE.md``): ``algbw = size / time`` and ``busbw = algbw * factor`` with factor
-``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter, ``1`` for broadcast and
-reduce, where ``size`` is the user's tensor bytes (the ``nbytes`` of a ``CommRecord``) and ``n`` the ranks.
+``doc/PERFORMANCE.md``): ``algbw = size / time`` and ``busbw = algbw * factor`` with
+:func:`memrt.profiling.comm_log.busbw_factor` (the one rule of the project), where ``size`` is the
+``nbytes`` of a ``CommRecord`` (nccl-tests' size) and ``n`` the ranks.
 """
 
 from __future__ import annotations
@@ -13,18 +13,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from memrt.profiling.comm_log import busbw_factor  # the one busbw rule (nccl-tests doc/PERFORMANCE.md)
+
 __all__ = ["ExplainRow", "explain", "explain_rows", "busbw_factor", "size_bucket"]
-
-
-def busbw_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor for ``op`` on ``n`` ranks (doc/PERFORMANCE.md)."""
-    if n <= 1:
-        return 1.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor"):
-        return (n - 1) / n
-    return 1.0
 
 
 def size_bucket(nbytes: int) -> int:

@@ -9,6 +9,9 @@
   ``bucket_bytes``, when any deferred call's ``wait()`` runs, or when a call that is not deferred
   (synchronous, large, other group) arrives, which keeps every rank's collective order identical.
 
+In torch.profiler each user call shows as one event of the backend's name (``gloo:all_reduce``) with
+the user's tensors, as stock gives; the fused buffers' own collectives are not recorded there.
+
 Reduction results are exactly those of separate calls on each rank's values: fusion concatenates,
 it does not change what is summed (the fused call's algorithm may sum in another order, as any
 algorithm change may; MEMRT_COMM=flat keeps torch's).
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from memrt.comm import events
 
 __all__ = ["all_reduce_coalesced", "FusedWork", "set_auto_coalescing", "intercept", "flush", "AutoCoalescing"]
 
@@ -96,6 +101,8 @@ class _Pack:
         self.launched = self.done = False
         self._lock = threading.Lock()
         self._on_launch = on_launch
+        self.events: list[events.UserEvent | None] = []
+        """Profiler events of the user calls in this pack, closed when it completes."""
 
     def launch(self) -> None:
         with self._lock:
@@ -104,11 +111,12 @@ class _Pack:
             self.launched = True
         if self._on_launch is not None:
             self._on_launch(self)
-        for idx in _buckets(self.tensors, self.bucket_bytes):
-            ts = [self.tensors[i] for i in idx]
-            buf = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
-            work = _all_reduce(buf, self.op, self.group, True)
-            self.works.append((work, buf, idx))
+        with events.quiet():  # the user's calls carry the profiler events, not the fused buffers
+            for idx in _buckets(self.tensors, self.bucket_bytes):
+                ts = [self.tensors[i] for i in idx]
+                buf = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
+                work = _all_reduce(buf, self.op, self.group, True)
+                self.works.append((work, buf, idx))
 
     def ensure_launched(self) -> None:
         if not self.launched:
@@ -119,15 +127,17 @@ class _Pack:
         if self.done:
             return
         self.ensure_launched()
-        for work, buf, idx in self.works:
-            if work is not None:
-                work.wait()
-            off = 0
-            for i in idx:
-                t = self.tensors[i]
-                t.copy_(buf[off:off + t.numel()].view(t.shape))
-                off += t.numel()
+        with events.quiet():
+            for work, buf, idx in self.works:
+                if work is not None:
+                    work.wait()
+                off = 0
+                for i in idx:
+                    t = self.tensors[i]
+                    t.copy_(buf[off:off + t.numel()].view(t.shape))
+                    off += t.numel()
         self.done = True
+        events.end_all(self.events)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = None, group: Any = None, async_op: bool = False,
@@ -143,7 +153,12 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = None, group:
         return None
     flush()  # earlier deferred calls go first, on every rank
     pack = _Pack(tensors, op, group, bucket_bytes)
-    pack.launch()
+    pack.events.append(events.begin("all_reduce_coalesced", tensors))
+    try:
+        pack.launch()
+    except BaseException:  # bad input (e.g. MAX of complex tensors): raised here, as torch raises
+        events.end_all(pack.events)
+        raise
     work = FusedWork(pack)
     if async_op:
         return work
@@ -182,6 +197,7 @@ class _Auto:
             self.key = key
             pack = self.packs[-1]
             pack.tensors.append(tensor)
+            pack.events.append(events.begin("all_reduce", [tensor]))
             self.pending.append((tensor, op))
             self.pending_bytes += tensor.numel() * tensor.element_size()
             work = FusedWork(pack, len(pack.tensors) - 1)

@@ -151,6 +151,13 @@ class HealthMonitor:
             with self._lock:
                 self._inside.pop(tid, None)
 
+    def track(self, name: str, event: Any) -> None:
+        """Watch collective ``name`` until ``event`` (a CUDA event after its work) completes: on NCCL the call
+        returns at enqueue, so a hang shows up here, not inside :meth:`inside`."""
+        with self._lock:
+            self._tracked = [(n, t, e) for n, t, e in getattr(self, "_tracked", []) if not e.query()]
+            self._tracked.append((name, time.monotonic(), event))
+
     # ---- diagnosis
     def _read(self, r: int) -> bytes | None:
         key = f"memrt/hb/{r}"
@@ -250,7 +257,8 @@ class HealthMonitor:
 
     def _watchdog(self) -> None:
         with self._lock:
-            inside = list(self._inside.values())
+            self._tracked = [(n, t, e) for n, t, e in getattr(self, "_tracked", []) if not e.query()]
+            inside = list(self._inside.values()) + [(n, t) for n, t, _ in self._tracked]
         if not inside:
             return
         name, since = min(inside, key=lambda x: x[1])

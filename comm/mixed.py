@@ -66,12 +66,18 @@ def local_device_kind(device: Any = None, *, rank: int | None = None) -> str:
 
 
 def gather_device_kinds(group: Any = None, device: Any = None) -> tuple[str, ...]:
-    """Every member's device kind, by group rank (one all_gather_object)."""
+    """Every member's device kind, by group rank (one all_gather_object, on ``device`` when it is a CUDA one)."""
     import torch.distributed as dist
+
+    import torch
+
+    from memrt.comm.streams import on_device
 
     mine = local_device_kind(device, rank=dist.get_rank())
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, mine, group=group)
+    dev = torch.device(device) if device is not None else None
+    with on_device(dev):  # an NCCL group's object collective runs on this rank's device, not cuda:0
+        dist.all_gather_object(out, mine, group=group)
     return tuple(out)
 
 

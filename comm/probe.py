@@ -8,6 +8,9 @@ the slowest participant counts), each at a few sizes, fitted by least squares ``
 - ``inter`` shared: every local rank of node 0 sends to the same local rank of node 1 at once
   (hierarchical's inter phase: the node's link is shared).
 
+Every transfer and rate is measured on the group's device (:func:`memrt.comm.streams.group_device`:
+CUDA tensors on NCCL, timed after ``torch.cuda.synchronize``; CPU tensors on gloo and MPI).
+
 Plus local rates: the reduction (``gamma``) and each codec's encode + decode; and, when memrt.comm's
 groups are given, an 8-byte and a 16 MiB call of each algorithm: the first gives the algorithm's own
 per-call latency (replacing the formula's alpha terms), the second its efficiency (measured / modelled bandwidth time). The result is the
@@ -101,7 +104,13 @@ def cache_path(key: str, cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir) / f"comm-links-{key}.json"
 
 
-def _time_pattern(peer: tuple[str, int] | None, nbytes: int, group) -> float:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (NCCL calls and CUDA kernels return at enqueue)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_pattern(peer: tuple[str, int] | None, nbytes: int, group, device: torch.device | None = None) -> float:
     """Median seconds of one transfer to/from ``peer`` (("send"|"recv", rank); None: idle) between barriers.
 
     Transfers are one-directional (a sender and a receiver): ring algorithms keep each link busy in
@@ -110,46 +119,55 @@ def _time_pattern(peer: tuple[str, int] | None, nbytes: int, group) -> float:
     """
     import torch.distributed as dist
 
+    device = device if device is not None else torch.device("cpu")
     n = max(1, nbytes // 4)
-    buf = torch.ones(n)
+    buf = torch.ones(n, device=device)
     times = []
     for rep in range(REPS + 1):
         dist.barrier(group=group)
+        _sync(device)
         t0 = time.perf_counter()
         if peer is not None:
             (dist.send if peer[0] == "send" else dist.recv)(buf, peer[1], group=group)
+            _sync(device)
         dt = time.perf_counter() - t0
         if rep:
             times.append(dt)
     return statistics.median(times) if peer is not None else 0.0
 
 
-def _local_rates(nbytes: int = 4 << 20) -> list[float]:
+def _local_rates(nbytes: int = 4 << 20, device: torch.device | None = None) -> list[float]:
     from memrt.comm.compress import CODECS, decode, encode
 
+    device = device if device is not None else torch.device("cpu")
     gen = torch.Generator().manual_seed(0x6D656D)  # private: the user's RNG streams stay untouched
-    x = torch.randn(nbytes // 4, generator=gen)
-    y = torch.randn(nbytes // 4, generator=gen)
+    x = torch.randn(nbytes // 4, generator=gen).to(device)
+    y = torch.randn(nbytes // 4, generator=gen).to(device)
     rates = []
     for fn in [lambda: x.add_(y)] + [(lambda c=c: decode(encode(x, c), c, x.numel())) for c in CODECS]:
         fn()
         ts = []
         for _ in range(3):
+            _sync(device)
             t0 = time.perf_counter()
             fn()
+            _sync(device)
             ts.append(time.perf_counter() - t0)
         rates.append(min(ts) / nbytes)
     return rates
 
 
-def _time_call(fn, reps: int = 5) -> float:
+def _time_call(fn, reps: int = 5, device: torch.device | None = None) -> float:
     import torch.distributed as dist
 
+    device = device if device is not None else torch.device("cpu")
     times = []
     for rep in range(reps + 1):
         dist.barrier()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         if rep:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -159,17 +177,19 @@ CALIBRATION_BYTES = 16 << 20
 """Size of the mid-size call of each algorithm that calibrates its efficiency (four 4 MiB pipeline chunks)."""
 
 
-def _call_times(topology, groups) -> list[float]:
+def _call_times(topology, groups, device: torch.device | None = None) -> list[float]:
     """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat (torch) and hierarchical (memrt)
     all-reduce (medians; the 1 MiB call is repeated most, its timing being the noisiest)."""
     import torch.distributed as dist
 
     from memrt.comm.algorithms import hierarchical_all_reduce
 
+    device = device if device is not None else torch.device("cpu")
     out = []
-    for x, reps in ((torch.ones(2), 5), (torch.ones(MID_CALL_BYTES // 4), 9), (torch.ones(CALIBRATION_BYTES // 4), 5)):
-        out.append(_time_call(lambda: dist.all_reduce(x), reps))
-        out.append(_time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups), reps))
+    for numel, reps in ((2, 5), (MID_CALL_BYTES // 4, 9), (CALIBRATION_BYTES // 4, 5)):
+        x = torch.ones(numel, device=device)
+        out.append(_time_call(lambda: dist.all_reduce(x), reps, device))
+        out.append(_time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups), reps, device))
     return out
 
 
@@ -179,8 +199,10 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     import torch.distributed as dist
 
     from memrt.comm.compress import CODECS
+    from memrt.comm.streams import group_device
 
     t_start = time.perf_counter()
+    device = group_device(group)  # NCCL: CUDA tensors (it has no CPU path); gloo / MPI: the CPU
     rank = dist.get_rank(group)
     node_of = {r: i for i, n in enumerate(nodes) for r in n}
     mine = nodes[node_of[rank]]
@@ -203,19 +225,19 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     results = []
     sizes_intra = INTRA_SIZES if any(len(n) > 1 for n in nodes) else ()
     for size in sizes_intra:
-        results.append(_time_pattern(intra_peer, size, group))
+        results.append(_time_pattern(intra_peer, size, group, device))
     for size in INTER_SIZES if multi else ():
-        results.append(_time_pattern(inter_single, size, group))
+        results.append(_time_pattern(inter_single, size, group, device))
     for size in INTER_SIZES if multi else ():
-        results.append(_time_pattern(inter_shared, size, group))
-    results.extend(_local_rates())
+        results.append(_time_pattern(inter_shared, size, group, device))
+    results.extend(_local_rates(device=device))
     with_overheads = topology is not None and groups is not None and group is None
     if with_overheads:
-        results.extend(_call_times(topology, groups))
+        results.extend(_call_times(topology, groups, device))
     # wall-clock stamp and elapsed time ride along, so every rank ends with the very same model
-    vec = torch.tensor(results + [time.time(), time.perf_counter() - t_start], dtype=torch.float64)
+    vec = torch.tensor(results + [time.time(), time.perf_counter() - t_start], dtype=torch.float64, device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    vals = vec.tolist()
+    vals = vec.cpu().tolist()
     stamp, elapsed = vals[-2], vals[-1]
     i = 0
 

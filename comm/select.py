@@ -1,11 +1,14 @@
 """Per-call choice of the collective algorithm by predicted time, with the reason in words.
 
-``choose(op, nbytes, dtype, topology, config)`` returns a :class:`Decision`: ``flat`` (torch's ring
-over all ranks), ``hier`` (intra reduce-scatter -> inter all-reduce -> intra all-gather) or
-``hier+<codec>`` (the same with the inter hop compressed: whenever ``MEMRT_COMPRESS``/``compress=``
-asks for it, for floating-point sums on more than one node; the reason still lists every prediction). ``MEMRT_COMM=flat|hier`` forces the algorithm; ``off`` means
-torch.distributed untouched (reported as flat). Predictions come from :mod:`memrt.comm.costmodel`
-with the links measured by :mod:`memrt.comm.probe` (or conservative defaults before a probe).
+``choose(op, nbytes, dtype, topology, config)`` returns a :class:`Decision` for all_reduce, all_gather,
+reduce_scatter and broadcast alike: ``flat`` (the backend's own algorithm over all ranks), ``hier``
+(memrt's hierarchical one: intra-node and inter-node tiers) or, for all-reduce, ``hier+<codec>`` (the
+inter hop compressed: whenever ``MEMRT_COMPRESS``/``compress=`` asks for it, for floating-point sums
+on more than one node; the reason still lists every prediction). ``MEMRT_COMM=flat|hier`` forces the
+algorithm; ``off`` means torch.distributed untouched (reported as flat); ``auto`` takes the smallest
+predicted time. Predictions come from :mod:`memrt.comm.costmodel` (all-reduce) and
+:mod:`memrt.comm.opcost` (the other ops) with the links measured by :mod:`memrt.comm.probe` (or
+conservative defaults before a probe). :func:`tier_bytes` is the one count of bytes sent per tier.
 """
 
 from __future__ import annotations
@@ -67,8 +70,22 @@ def _model_of(topology: Any, model: cm.LinkModel | None) -> tuple[cm.LinkModel, 
 
 
 def predict(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], model: cm.LinkModel,
-            element_size: int = 4) -> float:
-    """Predicted seconds of all-reduce ``algorithm`` on ``nbytes`` (see costmodel for the formulas)."""
+            element_size: int = 4, *, op: str = "all_reduce", backend: str = "gloo", src: int = 0) -> float:
+    """Predicted seconds of ``op`` under ``algorithm`` for ``nbytes`` (the user's tensor: the input; for
+    all_gather one rank's block). Formulas: all_reduce in costmodel, the other ops in opcost."""
+    from memrt.comm import opcost
+
+    if op != "all_reduce":
+        table = {("all_gather", "flat"): lambda: opcost.flat_all_gather(nodes, nbytes, model),
+                 ("all_gather", "hier"): lambda: opcost.hierarchical_all_gather(nodes, nbytes, model),
+                 ("reduce_scatter", "flat"): lambda: opcost.flat_reduce_scatter(nodes, nbytes, model, backend=backend),
+                 ("reduce_scatter", "hier"): lambda: opcost.hierarchical_reduce_scatter(nodes, nbytes, model),
+                 ("broadcast", "flat"): lambda: opcost.flat_broadcast(nodes, nbytes, model, src=src),
+                 ("broadcast", "hier"): lambda: opcost.hierarchical_broadcast(nodes, nbytes, model)}
+        if (op, algorithm) not in table:
+            raise ValueError(f"op={op!r} with algorithm={algorithm!r} has no cost model: expected all_reduce, "
+                             "all_gather, reduce_scatter or broadcast with flat or hier")
+        return table[op, algorithm]()
     if algorithm == "flat":
         return cm.flat_all_reduce(nodes, nbytes, model)
     if algorithm == "hier":
@@ -78,9 +95,19 @@ def predict(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], mod
     raise ValueError(f"algorithm={algorithm!r} is not valid: expected flat, hier or hier+<codec> (MEMRT_COMM)")
 
 
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
 def choose(op: str, nbytes: int, dtype: Any, topology: Any, config: Any = None, *,
-           model: cm.LinkModel | None = None, reduce_op: Any = None) -> Decision:
-    """Pick the algorithm for one collective (see module docstring). ``config`` is a MemrtConfig or None."""
+           model: cm.LinkModel | None = None, reduce_op: Any = None, backend: str = "gloo", src: int = 0) -> Decision:
+    """Pick the algorithm for one collective (see module docstring). ``config`` is a MemrtConfig or None.
+
+    Every op is chosen the same way: candidates flat and hier (hier+<codec> for compressed all-reduce;
+    all_gather / reduce_scatter have a hierarchical path on equal nodes only), MEMRT_COMM forces one,
+    ``auto`` takes the smallest predicted time. The choice depends only on arguments that are equal on
+    every rank (sizes, topology, the probe's max-reduced link model), so every rank picks the same."""
+    if op not in _OPS:
+        raise ValueError(f"op={op!r} is not valid: expected one of {', '.join(_OPS)}")
     nodes = tuple(tuple(n) for n in topology.nodes)
     mode = getattr(config, "comm", "auto") if config is not None else "auto"
     compress = getattr(config, "compress", "none") if config is not None else "none"
@@ -88,15 +115,21 @@ def choose(op: str, nbytes: int, dtype: Any, topology: Any, config: Any = None, 
     esize = element_size_of(dtype)
     multi = len(nodes) > 1
     size = f"{nbytes} B {_dtype_name(dtype)}, {len(nodes)} node(s) x {max(len(n) for n in nodes)}"
-    if op != "all_reduce" or not multi:
-        why = "single node" if not multi else f"{op} has no hierarchical path"
-        t = predict("flat", nbytes, nodes, links, esize) if op == "all_reduce" else 0.0
-        return Decision(algorithm="flat", predicted_seconds=t, reason=f"{why}: flat ({size})", candidates={"flat": t})
+
+    def times_of(cands: list[str]) -> dict[str, float]:
+        return {a: predict(a, nbytes, nodes, links, esize, op=op, backend=backend, src=src) for a in cands}
+
+    uniform = len({len(n) for n in nodes}) == 1
+    if not multi or (op in ("all_gather", "reduce_scatter") and not uniform):
+        why = "single node" if not multi else f"{op} has a hierarchical path on equal nodes only"
+        t = times_of(["flat"])
+        return Decision(algorithm="flat", predicted_seconds=t["flat"], reason=f"{why}: flat ({size})", candidates=t)
     sum_like = reduce_op is None or str(reduce_op).split(".")[-1].upper() in ("SUM", "AVG", "REDOPTYPE.SUM")
-    codec_ok = compress != "none" and is_floating(dtype) and sum_like
+    # "auto" is resolved per call by memrt.comm.compress.choose_codec (the caller passes compress="auto")
+    codec_ok = op == "all_reduce" and compress not in ("none", "auto") and is_floating(dtype) and sum_like
     cands = ["flat", "hier"] + ([f"hier+{compress}"] if codec_ok else [])
-    times = {a: predict(a, nbytes, nodes, links, esize) for a in cands}
-    src = "" if measured else " (default links: not probed yet)"
+    times = times_of(cands)
+    src_note = "" if measured else " (default links: not probed yet)"
     if mode == "off":
         return Decision(algorithm="flat", predicted_seconds=times["flat"], reason="MEMRT_COMM=off: torch.distributed",
                         candidates=times)
@@ -115,23 +148,45 @@ def choose(op: str, nbytes: int, dtype: Any, topology: Any, config: Any = None, 
     best = min(times, key=times.get)
     others = ", ".join(f"{a} {times[a] * 1e3:.3g} ms" for a in cands if a != best)
     return Decision(algorithm=best, predicted_seconds=times[best], candidates=times,
-                    reason=f"auto: {best} predicted {times[best] * 1e3:.3g} ms < {others} ({size}){src}")
+                    reason=f"auto: {op} {best} predicted {times[best] * 1e3:.3g} ms <= {others} ({size}){src_note}")
 
 
 def tier_bytes(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], rank: int,
-               element_size: int = 4) -> dict[str, int]:
-    """Bytes this rank sends per tier for one all-reduce of ``nbytes`` under ``algorithm``."""
+               element_size: int = 4, *, op: str = "all_reduce") -> dict[str, int]:
+    """Bytes ``rank`` sends per tier for one ``op`` call of ``nbytes`` under ``algorithm``, for any
+    rank-to-node layout (nodes of any size, ranks of a node need not be contiguous).
+
+    ``nbytes`` is the user's tensor: the input for all_gather (one rank's block) and the full input for
+    reduce_scatter. Flat = torch's ring in rank order: rank r sends to r+1 (mod p), so its bytes are
+    inter-node exactly when r+1 is on another node; per-rank ring volumes (Thakur et al. 2005):
+    all_reduce 2(p-1)/p n, all_gather (p-1) n, reduce_scatter (p-1)/p n, broadcast n (forwarded once).
+    Hierarchical (k = ranks of this rank's node, m = nodes): all_reduce intra 2(k-1)/k n (reduce-scatter
+    + all-gather), inter 2(m-1)/m n/k (this rank's 1/k of the node's share crosses in a ring over the
+    nodes; compressed: the codec's wire ratio, one all-gather of the shard when m = 2); all_gather
+    inter (m-1) n then intra (k-1) m n; reduce_scatter intra (k-1) m n/p then inter (m-1) n/p;
+    broadcast n on each tier. ``...@mpi`` algorithms count as their plain name.
+    """
+    algorithm = algorithm.split("@", 1)[0]
     node_of = {r: i for i, n in enumerate(nodes) for r in n}
+    if rank not in node_of:
+        raise ValueError(f"rank={rank} is not in the topology's nodes {nodes}")
     p = sum(len(n) for n in nodes)
     m = len(nodes)
-    local = len(nodes[node_of[rank]])
-    if algorithm == "flat":
-        sent = int(2 * (p - 1) / p * nbytes) if p > 1 else 0
-        # ring ordered by rank: the last rank of each node sends across nodes
-        crossing = m > 1 and nodes[node_of[rank]][-1] == rank
-        return {"inter": sent, "intra": 0} if crossing else {"intra": sent, "inter": 0}
-    intra = int(2 * (local - 1) / local * nbytes) if local > 1 else 0
-    shard = nbytes / max(local, 1)
+    k = len(nodes[node_of[rank]])
+    if p <= 1:
+        return {"intra": 0, "inter": 0}
+    if algorithm in ("flat", "off"):
+        sent = {"all_reduce": 2 * (p - 1) / p * nbytes, "broadcast": nbytes, "all_gather": (p - 1) * nbytes,
+                "reduce_scatter": (p - 1) / p * nbytes}.get(op, nbytes)
+        crossing = node_of[(rank + 1) % p] != node_of[rank]
+        return {"intra": 0, "inter": int(sent)} if crossing else {"intra": int(sent), "inter": 0}
+    if op == "broadcast":
+        return {"intra": int(nbytes) if k > 1 else 0, "inter": int(nbytes) if m > 1 else 0}
+    if op in ("all_gather", "reduce_scatter"):
+        block = nbytes / p if op == "reduce_scatter" else nbytes  # one rank's block
+        return {"intra": int((k - 1) * m * block), "inter": int((m - 1) * block)}
+    intra = int(2 * (k - 1) / k * nbytes) if k > 1 else 0
+    shard = nbytes / k
     if algorithm == "hier":
         inter = int(2 * (m - 1) / m * shard) if m > 1 else 0
     else:

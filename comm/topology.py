@@ -1,6 +1,7 @@
 """The cluster's shape: which ranks share a node, what device each rank has, how the tiers are linked.
 
-Discovery (:func:`discover`) runs once after ``init_process_group``: one ``all_gather_object`` of each
+Discovery (:func:`discover`) runs once after ``init_process_group`` (on NCCL at the first memrt collective, on
+that collective's device: see :mod:`memrt.comm.streams`): one ``all_gather_object`` of each
 rank's host identity (host name + network namespace, so namespaces of an emulated cluster count as
 nodes), device kind and memory, and launcher local rank. Nodes may hold different numbers of ranks.
 ``MEMRT_TOPOLOGY="0,1;2,3"`` overrides the grouping (emulation, tests).
@@ -233,9 +234,12 @@ def _device_memory(kind: str) -> int:
 
     if kind == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    import psutil
+    try:
+        import psutil
 
-    return int(psutil.virtual_memory().total)
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # a bare environment (e.g. installed with --no-deps): the kernel's page count
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def discover(group: Any = None, *, override: tuple[tuple[int, ...], ...] | None = None) -> Topology:

@@ -46,7 +46,13 @@ _ITEMSIZE = {
 
 
 def busbw_factor(op: str, n: int) -> float:
-    """busbw / algbw for collective ``op`` over ``n`` ranks (nccl-tests doc/PERFORMANCE.md)."""
+    """busbw / algbw for collective ``op`` over ``n`` ranks: the project's one busbw rule.
+
+    nccl-tests ``doc/PERFORMANCE.md`` (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
+    and its ``*GetBw`` functions: ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for reduce-scatter,
+    all-gather and all-to-all, ``1`` for broadcast, reduce and send/recv. At n = 1 the all-reduce and
+    gather/scatter factors are 0, as nccl-tests prints them: a one-rank group moves nothing over a bus.
+    """
     if n <= 0:
         raise ValueError(f"group size must be >= 1, got {n}")
     key = op.lower()

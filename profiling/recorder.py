@@ -37,7 +37,8 @@ class CommRecord:
     dtype: str
     """Element type, e.g. float32."""
     nbytes: int
-    """Bytes of the user's tensor (the 'size' column of nccl-tests)."""
+    """nccl-tests' 'size' column: bytes of the full buffer (the user's tensor; all_gather: the gathered
+    output, reduce_scatter: the input)."""
     group_size: int
     """Ranks taking part."""
     algorithm: str

@@ -45,12 +45,64 @@ def other_collectives(rank: int, world: int) -> list[str]:
                 fails.append(f"reduce_scatter {numel} {dtype} {op} vs reference")
             if not torch.allclose(out.float(), theirs.float(), rtol=0.1, atol=0.1):
                 fails.append(f"reduce_scatter {numel} {dtype} {op} vs torch")
+    # the hierarchical all-gather's pipeline: several chunks, the last one short (direct call, small chunks),
+    # and a block of more than one default chunk through the public call
+    if topo.is_uniform:
+        from memrt.comm import algorithms as alg
+        from memrt.comm.api import _st
+
+        for numel, chunk_bytes in ((30011, 4000), (3, 4), (0, 64)):
+            x = make_input(rank, numel, torch.float32, "SUM")
+            out = torch.full((world * numel,), float("nan"))
+            alg.hierarchical_all_gather(out, x, topo, groups=_st.groups, chunk_bytes=chunk_bytes)
+            want = torch.cat([make_input(r, numel, torch.float32, "SUM") for r in range(world)])
+            if not torch.equal(out, want):
+                fails.append(f"hierarchical all_gather {numel} elements in chunks of {chunk_bytes} B")
+        for numel, chunk_bytes in ((30011, 4000), (3, 4), (0, 64)):  # reduce-scatter's pipeline, same order
+            for op in ("SUM", "AVG", "MAX"):
+                big = make_input(rank, numel * world, torch.float32, op)
+                out = torch.full((numel,), float("nan"))
+                alg.hierarchical_reduce_scatter(out, big, op, topo, groups=_st.groups, chunk_bytes=chunk_bytes)
+                ref = reference([make_input(r, numel * world, torch.float32, op) for r in range(world)], topo.nodes,
+                                op)
+                if not torch.equal(out, ref[rank * numel:(rank + 1) * numel]):
+                    fails.append(f"hierarchical reduce_scatter {numel} {op} in chunks of {chunk_bytes} B")
+        numel = (alg.DEFAULT_CHUNK_BYTES // 4) + 1001
+        x = make_input(rank, numel, torch.float32, "SUM")
+        out = torch.empty(world * numel)
+        dist.all_gather_into_tensor(out, x)
+        if not torch.equal(out, torch.cat([make_input(r, numel, torch.float32, "SUM") for r in range(world)])):
+            fails.append(f"all_gather_into_tensor {numel} float32 (two pipeline chunks)")
+
     from memrt.profiling.recorder import get_recorder
 
     algos = {(r.op, r.algorithm) for r in get_recorder().comm}
     for need in (("broadcast", "hier"), ("all_gather", "hier"), ("reduce_scatter", "hier")):
         if topo.is_uniform and need not in algos:
             fails.append(f"no CommRecord for {need}: {sorted(algos)}")
+    fails += _profiler_events(dist, world)
+    return fails
+
+
+def _profiler_events(dist, world: int) -> list[str]:
+    """Under torch.profiler each memrt call shows as one async event named as gloo names its own, with the
+    user's input shape, and none of memrt's internal sub-collectives shows (whatever algorithm ran)."""
+    fails: list[str] = []
+    x = torch.ones(3, 5)
+    calls = {"gloo:all_reduce": (lambda: dist.all_reduce(x.clone()), [[3, 5]]),
+             "gloo:broadcast": (lambda: dist.broadcast(x.clone(), src=1), [[3, 5]]),
+             "gloo:all_gather": (lambda: dist.all_gather_into_tensor(torch.empty(world * 3, 5), x), [[3, 5]]),
+             # gloo records reduce_scatter_tensor as an all-reduce of its input
+             "gloo:reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(3, 5), torch.ones(world * 3, 5)),
+                                     [[world * 3, 5]])}
+    for name, (call, shapes) in calls.items():
+        with torch.autograd.profiler.profile(record_shapes=True) as prof:
+            call()
+        events = [e for e in prof.function_events if e.name.startswith("gloo:")]
+        want = "gloo:all_reduce" if name == "gloo:reduce_scatter" else name
+        got = [(e.name, e.input_shapes, e.is_async) for e in events]
+        if got != [(want, shapes, True)]:
+            fails.append(f"profiler events of {name}: {got}, expected [({want!r}, {shapes}, True)]")
     return fails
 
 

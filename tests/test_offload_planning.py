@@ -86,7 +86,7 @@ def test_pool_reuses_its_buffers():
         pool.free(b)
     for b in blocks[1::2]:
         pool.free(b)
-    assert pool.used_bytes == 0 and pool._free == [[(0, 1 * MiB)]]  # coalesced back to one range
+    assert pool.used_bytes == 0 and pool._free == [[(0, 1 * MiB, ())]]  # coalesced back to one range
     for _ in range(5):  # steady state: same sizes every "step", no new buffers
         bs = [pool.alloc(n) for n in (300_000, 200_000, 400_000)]
         for b in bs:
@@ -95,11 +95,49 @@ def test_pool_reuses_its_buffers():
     big = pool.alloc(2 * MiB)  # more than planned: grows once, counted
     assert pool.allocations == 2 and big[3].numel() == 2 * MiB
     pool.free(big)
-    for _ in range(3):  # next steps: merged into one buffer of the total size once, then reused
-        bs = [pool.alloc(n) for n in (2 * MiB, MiB // 2)]
+    for _ in range(3):  # next steps: the grown pool is reused as it is (never re-allocated merged: the old
+        bs = [pool.alloc(n) for n in (2 * MiB, MiB // 2)]  # buffers would stay in torch's pinned cache)
         for b in bs:
             pool.free(b)
-    assert pool.allocations == 3 and len(pool._chunks) == 1 and pool.capacity_bytes >= 3 * MiB
+    assert pool.allocations == 2 and pool.capacity_bytes == 3 * MiB
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: ``query`` says whether the copy finished; ``synchronize`` must never be needed."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        raise AssertionError("the pool synchronised on an event (a host stall): stream order protects reuse")
+
+
+def test_pool_short_reuses_pending_ranges_without_host_sync():
+    pool = HostPool(1 * MiB, pin=False)
+    a, b = pool.alloc(MiB // 2), pool.alloc(MiB // 2)
+    busy, done = _FakeEvent(False), _FakeEvent(True)
+    pool.free(a, busy)  # its last copy is still queued
+    pool.free(b, done)
+    c = pool.alloc(MiB // 2)  # the finished range first, nothing to wait for
+    assert (c[0], c[1]) == (b[0], b[1]) and pool.last_waits == ()
+    d = pool.alloc(MiB // 2)  # short: the busy range, handed out with its event for a GPU-side wait
+    assert (d[0], d[1]) == (a[0], a[1]) and pool.last_waits == (busy,)
+    assert pool.allocations == 1  # no new pinned buffer, no host synchronisation
+
+
+def test_pool_presized_from_the_plan_covers_alignment():
+    from memrt.memory.offload.host import pool_bytes_for
+
+    sizes = [64 * 1024 + 1] * 200 + [3 * MiB + 7] * 10  # odd sizes: every range rounds up to 512 bytes
+    pool = HostPool(pool_bytes_for(sum(sizes)), pin=False)
+    blocks = [pool.alloc(n) for n in sizes]
+    assert pool.allocations == 1, "the plan-sized pool had to grow mid-forward"
+    for blk in blocks:
+        pool.free(blk)
+    assert pool_bytes_for(0) == 0
 
 
 @pytest.mark.slow

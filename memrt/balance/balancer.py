@@ -238,11 +238,15 @@ def _memrt_comm_hook(ddp_model: Any, *, required: bool) -> tuple[Any, Any]:
             raise RuntimeError(f"comm='memrt' needs memrt.comm's DDP hook, which is unavailable ({exc}); "
                                "use comm='torch'") from exc
         return None, None
+    param = next(iter(ddp_model.parameters()), None)
+    device = param.device if param is not None else None  # NCCL: set-up collectives on this rank's device
     if not required:
         try:
-            if mcomm.get_topology().num_nodes <= 1:
+            if mcomm.prepare(device).num_nodes <= 1:
                 return None, None
         except Exception as exc:  # noqa: BLE001 - discovery trouble: reduce with torch.distributed instead
             logger.warning("memrt.comm topology unavailable (%s): reducing with torch.distributed", exc)
             return None, None
+    else:
+        mcomm.prepare(device)  # groups created and warmed now, not inside the first backward
     return hook, state_cls(process_group=ddp_model.process_group)

@@ -72,11 +72,17 @@ def weighted_allreduce_hook(state: WeightedHookState, bucket):  # DDP checks ann
     """``DistributedDataParallel.register_comm_hook(state, weighted_allreduce_hook)``."""
     import torch.distributed as dist
 
+    buf = bucket.buffer()
+    if state.mixed is not None and state.mixed.staging and buf.is_cuda:
+        import torch
+
+        # the staging copy to host would wait for the backward queued so far: that wait is compute (it ends
+        # here, before the clock starts), not time blocked on slower ranks
+        torch.cuda.current_stream(buf.device).synchronize()
     start = time.perf_counter()
     begin = state.forward_start_s if state.forward_start_s is not None else state.step_start_s
     state.compute_s = start - begin - state.blocked_s
     state.buckets_this_step += 1
-    buf = bucket.buffer()
     try:
         if state.inner_hook is not None:
             buf.mul_(state.weight * state.world_size if state.inner_averages else state.weight)

@@ -165,8 +165,10 @@ class DiskTier:
 
     def store(self, entry, src_u8: torch.Tensor, file: _File) -> float:
         """Queue ``src_u8`` (the whole storage as bytes) for writing; returns seconds waited on back-pressure."""
-        if self.device.type != "cpu":
-            src_u8 = src_u8.to("cpu")  # disk tier on an accelerator: plain synchronous copy (host tier is the fast path)
+        if self.device.type == "cuda":
+            src_u8, entry.event = self._to_pinned(src_u8)  # the I/O thread waits for the copy, not this one
+        elif self.device.type != "cpu":
+            src_u8 = src_u8.to("cpu")  # other accelerators: plain synchronous copy
         entry.file = file
         entry.offset = file.reserve(entry.nbytes)
         entry.src = src_u8
@@ -175,6 +177,23 @@ class DiskTier:
             self.disk_bytes += entry.nbytes
             self.disk_peak_bytes = max(self.disk_peak_bytes, self.disk_bytes)
         return self.io.submit(lambda: self._write(entry), entry.nbytes)
+
+    def _to_pinned(self, src_u8: torch.Tensor):
+        """A pinned host copy of a CUDA source queued on a side stream, and the event that says it landed.
+
+        Pinned blocks come from torch's caching host allocator (reused from the second step on); the
+        source is ``record_stream``-ed on the side stream so its block is not reused before it was read."""
+        stream = getattr(self, "_d2h", None)
+        if stream is None:
+            stream = self._d2h = torch.cuda.Stream(device=self.device)
+        host = torch.empty(src_u8.numel(), dtype=torch.uint8, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(src_u8, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        src_u8.record_stream(stream)
+        return host, done
 
     def load(self, entry, *, urgent: bool = False) -> None:
         """Start bringing ``entry`` back (no-op if already there or on its way)."""
@@ -208,6 +227,8 @@ class DiskTier:
                 waited = time.perf_counter() - t0
             data = entry.data
         if data.device != self.device:
+            if entry.event is not None and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_event(entry.event)  # the bytes may still be landing
             data = data.to(self.device)
         return data, waited
 
@@ -291,6 +312,8 @@ class DiskTier:
         if src is None or entry.freed:
             return
         t0 = time.perf_counter()
+        if entry.event is not None:  # CUDA source: its copy to pinned memory was queued on a side stream
+            entry.event.synchronize()
         view = memoryview(src.numpy()).cast("B")
         if self.verify:
             entry.crc = zlib.crc32(view)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import weakref
 from dataclasses import asdict
 from pathlib import Path
@@ -37,28 +36,64 @@ _DEFAULT_MIN_BYTES = 64 * 1024
 _DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 
 
+class _Held:
+    """Running total of the device bytes the engine's entries hold (updated as entries change state)."""
+
+    __slots__ = ("bytes", "peak", "lock", "cpu")
+
+    def __init__(self, cpu: bool) -> None:
+        self.bytes = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+        self.cpu = cpu
+
+
 class _Entry:
-    """One stored storage."""
+    """One stored storage. ``src`` / ``data`` / ``loading`` keep the engine's held-bytes total current."""
 
-    __slots__ = ("nbytes", "group", "file", "offset", "src", "data", "loading", "freed", "crc", "host",
-                 "event", "refs", "uses_left", "storage_ref", "key", "__weakref__")
+    __slots__ = ("nbytes", "group", "file", "offset", "_src", "_data", "_loading", "freed", "crc", "host",
+                 "event", "stream", "refs", "uses_left", "storage_ref", "key", "held", "__weakref__")
 
-    def __init__(self, nbytes: int, group: "_Group") -> None:
+    def __init__(self, nbytes: int, group: "_Group", held: _Held | None = None) -> None:
         self.nbytes = nbytes
         self.group = group
+        self.held = held
         self.file = None
         self.offset = 0
-        self.src = None
-        self.data = None
-        self.loading = False
+        self._src = None
+        self._data = None
+        self._loading = False
         self.freed = False
         self.crc = 0
         self.host = None
         self.event = None
+        self.stream = None
         self.refs = 0
         self.uses_left = 0
         self.storage_ref = None
         self.key = 0
+
+    def _holds(self) -> bool:
+        held = self.held
+        return (self._src is not None and held is not None and held.cpu) or self._data is not None or self._loading
+
+    def _set(self, name: str, value) -> None:
+        held = self.held
+        if held is None:
+            object.__setattr__(self, name, value)
+            return
+        with held.lock:
+            before = self._holds()
+            object.__setattr__(self, name, value)
+            after = self._holds()
+            if before != after:
+                held.bytes += self.nbytes if after else -self.nbytes
+                if held.bytes > held.peak:
+                    held.peak = held.bytes
+
+    src = property(lambda self: self._src, lambda self, v: self._set("_src", v))
+    data = property(lambda self: self._data, lambda self, v: self._set("_data", v))
+    loading = property(lambda self: self._loading, lambda self, v: self._set("_loading", v))
 
 
 class _Group:
@@ -156,14 +191,17 @@ class OffloadEngine:
         self._n = dict(offloaded=0, dedup=0, small=0, param=0, hits=0, misses=0)
         self._wait_seconds = 0.0
         self._live: set[_Entry] = set()
-        self._held_peak = 0
+        self._held = _Held(self.device.type == "cpu")
+        self._sources_pending = False
         self.directory: Path | None = None
         if keep is not None:
             self.keep_storages(keep)
         if tier == "host":
             from memrt.memory.offload.host import HostTier
 
-            self._tier = HostTier(self.device, pool_bytes=max(int(host_pool_bytes), int(required_bytes)))
+            from memrt.memory.offload.host import pool_bytes_for
+
+            self._tier = HostTier(self.device, pool_bytes=max(int(host_pool_bytes), pool_bytes_for(required_bytes)))
         else:
             from memrt.config import load_config
             from memrt.memory.offload.disk import DiskTier
@@ -255,7 +293,7 @@ class OffloadEngine:
             tensors_offloaded=self._n["offloaded"], tensors_deduplicated=self._n["dedup"],
             tensors_kept_small=self._n["small"], tensors_kept_param=self._n["param"],
             bytes_offloaded=t.bytes_written, bytes_restored=t.bytes_read,
-            device_held_bytes=self._held_now(), device_held_peak_bytes=self._held_peak,
+            device_held_bytes=self._held_now(), device_held_peak_bytes=self._held.peak,
             host_bytes=pool.used_bytes if pool else 0, host_peak_bytes=pool.peak_bytes if pool else 0,
             host_pool_capacity_bytes=pool.capacity_bytes if pool else 0,
             pinned_allocations=pool.allocations if pool else 0,
@@ -279,7 +317,7 @@ class OffloadEngine:
             io.drain()
             self._tier.check()
         elif self.tier_name == "host":
-            self._tier.stream.synchronize()
+            self._tier.synchronize()
 
     def close(self) -> None:
         """Stop the I/O thread and remove every offload file. Idempotent."""
@@ -325,7 +363,7 @@ class OffloadEngine:
             if entry is not None and not entry.freed and entry.storage_ref() is storage:
                 self._n["dedup"] += 1
             else:
-                entry = _Entry(nbytes, group)
+                entry = _Entry(nbytes, group, self._held)
                 entry.storage_ref = weakref.ref(storage)
                 entry.key = key
                 self._by_storage[key] = entry
@@ -336,8 +374,8 @@ class OffloadEngine:
                 self._live.add(entry)
                 src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
                 self._wait_seconds += self._tier.store(entry, src, group.file)
+                self._sources_pending = True
                 del src
-                self._sample()
             entry.refs += 1
             entry.uses_left += 1
             self._n["offloaded"] += 1
@@ -361,7 +399,6 @@ class OffloadEngine:
         data, waited = self._tier.wait(entry)
         with self._lock:
             self._wait_seconds += waited
-            self._sample()
             entry.uses_left -= 1
             if entry.uses_left <= 0:
                 self._tier.drop(entry)  # our copy goes; the returned view keeps what backward uses
@@ -371,6 +408,11 @@ class OffloadEngine:
     # ---- internals ------------------------------------------------------------------------------
     def _start_backward(self, group: _Group) -> None:
         group.backward_started = True
+        if self._sources_pending and self.tier_name == "host":  # forward is over: no unit ends after the last
+            self._sources_pending = False
+            for g in self._order:
+                if g.file is not None:
+                    self._tier.wait_written(g.file)
         self._load_group(group, urgent=True)
         idx = self._order.index(group) if group in self._order else -1
         ahead = 0
@@ -392,6 +434,7 @@ class OffloadEngine:
             if entry.refs > 0 or entry.freed:
                 return
             self._tier.free(entry)
+            entry.loading = False  # a read queued before the free never completes: it holds nothing
             self._live.discard(entry)
             if self._by_storage.get(entry.key) is entry:
                 del self._by_storage[entry.key]
@@ -401,12 +444,15 @@ class OffloadEngine:
                 self._order.remove(group)
 
     def _held_now(self) -> int:
-        """Device bytes the engine holds: sources not yet written, loaded data (incl. loads in flight)."""
-        return sum(e.nbytes for e in list(self._live)
-                   if (e.src is not None and self.device.type == "cpu") or e.data is not None or e.loading)
+        """Device bytes the engine holds: sources not yet written (CPU device), loaded data, loads in flight.
 
-    def _sample(self) -> None:
-        self._held_peak = max(self._held_peak, self._held_now())
+        A running total kept by the entries themselves (O(1); a scan of every live entry per pack would
+        make a step O(n^2) in its saved tensors)."""
+        return self._held.bytes
+
+    @property
+    def _held_peak(self) -> int:
+        return self._held.peak
 
     def _trace(self, name: str, start: float, end: float, **args) -> None:
         from memrt.profiling.recorder import get_recorder
