@@ -5,9 +5,11 @@ separate gloo all_reduce calls for the fusion arm. memrt arms go through ``memrt
 with the algorithm forced per arm (flat, hier, hier+bf16, hier+int8); ``auto`` is the cost model's
 choice. Every time is the median over repeats of the slowest rank's time between barriers.
 
-    sudo .venv/bin/python -m benchmarks.comm_compress [--quick] [--where emulated|loopback|both]
+    sudo .venv/bin/python -m benchmarks.comm_compress [--quick] [--where emulated|loopback|both|codecs]
 
-The emulated cluster needs root (network namespaces); without it that part prints SKIP.
+The emulated cluster needs root (network namespaces); without it that part prints SKIP. ``--where codecs``
+(also part of ``both``) times the codecs alone, one thread, on 32 MiB of float32: encode, encode with error
+feedback and the decoded copy (what the pipeline runs per chunk), decode, decode-accumulate.
 """
 
 from __future__ import annotations
@@ -125,18 +127,59 @@ def summarize(where: str, res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def codec_times(nbytes: int = 32 * MiB, reps: int = 7) -> dict[str, dict[str, float]]:
+    """Best-of-``reps`` seconds of each codec operation on ``nbytes`` of float32, one thread."""
+    import time
+
+    import torch
+
+    from memrt.comm.codecs import CODECS, decode, encode
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = nbytes // 4
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        residual, sent, out = torch.zeros(n), torch.empty(n), torch.zeros(n)
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        res = {}
+        for codec in CODECS:
+            payload = encode(x, codec)
+            res[codec] = {"encode": best(lambda: encode(x, codec)),
+                          "encode_ef_sent": best(lambda: encode(x, codec, residual=residual, sent_out=sent)),
+                          "decode": best(lambda: decode(payload, codec, n)),
+                          "decode_accumulate": best(lambda: decode(payload, codec, n, out=out, accumulate=True))}
+        print_table(["codec", *next(iter(res.values()))],
+                    [(c, *(f"{v * 1e3:.1f} ms" for v in r.values())) for c, r in res.items()],
+                    title=f"codecs on {nbytes // MiB} MiB float32, 1 thread (best of {reps})")
+        return res
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
         _worker(int(argv[1]), argv[2], argv[3], int(argv[4]), argv[5])
         return 0
     p = base_parser(__doc__)
-    p.add_argument("--where", default="both", choices=["emulated", "loopback", "both"])
+    p.add_argument("--where", default="both", choices=["emulated", "loopback", "both", "codecs"])
     args = p.parse_args(argv)
     info = machine_info()
     print(machine_line(info))
     reps = 2 if args.quick else 5
     payload: dict[str, Any] = {"machine": info, "reps": reps}
+    if args.where in ("codecs", "both"):
+        payload["codecs_32mib_seconds"] = codec_times(reps=3 if args.quick else 7)
     with tempfile.TemporaryDirectory(prefix="memrt-comm-bench-") as tmp:
         if args.where in ("emulated", "both"):
             from memrt.cluster import can_emulate

@@ -307,7 +307,7 @@ def _raise_diagnosed(name: str, exc: BaseException) -> None:
 
 # ---------------------------------------------------------------- recording and choice
 def _record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, start: float, tier: dict[str, int],
-            predicted: float | None, redop: str = "") -> None:
+            predicted: float | None, redop: str = "", reason: str = "") -> None:
     """One CommRecord; its size is nccl-tests' (all_gather: the gathered output, ``nbytes`` x ranks)."""
     from memrt.profiling.recorder import CommRecord, get_recorder
 
@@ -315,7 +315,7 @@ def _record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, start: float,
     get_recorder().record_comm(CommRecord(
         op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes) * (world if op == "all_gather" else 1),
         group_size=world, algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier,
-        predicted_seconds=predicted, start=start, redop=redop))
+        predicted_seconds=predicted, start=start, redop=redop, reason=reason))
 
 
 def _world() -> int:
@@ -338,9 +338,25 @@ def _decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src
         return "flat", None
     from memrt.comm.select import choose
 
-    d = choose(op, nbytes, dtype, topo, cfg, reduce_op=reduce_op, backend=str(tdist.get_backend()), src=src)
+    # compression is asked per call (the DDP hook under MEMRT_COMPRESS, compress=), never by the config alone
+    d = choose(op, nbytes, dtype, topo, _exact_config(cfg), reduce_op=reduce_op, backend=str(tdist.get_backend()),
+               src=src)
     logger.debug("%s %d B: %s (%s)", op, nbytes, d.algorithm, d.reason)
     return d.algorithm, d.predicted_seconds
+
+
+_exact_cfg: list[Any] = [None, None]
+
+
+def _exact_config(cfg: Any) -> Any:
+    """``cfg`` with compress="none" (cached for the current config object)."""
+    if getattr(cfg, "compress", "none") == "none":
+        return cfg
+    if _exact_cfg[0] is not cfg:
+        import dataclasses
+
+        _exact_cfg[:] = [cfg, dataclasses.replace(cfg, compress="none")]
+    return _exact_cfg[1]
 
 
 def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
@@ -355,8 +371,11 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
             logger.warning("MEMRT_COMPRESS=%s asked for, but memrt.comm.compress is missing: exact all-reduce", codec)
         return None
 
+    from memrt.comm.compress import feedback_part
+
     def inter(shard: torch.Tensor, group: Any) -> Any:
-        key = None if base_key is None else (base_key, shard.data_ptr() - flat_ptr, shard.numel())
+        # error feedback only for a caller's own gradient buffer (base_key from the DDP hook): per chunk of it
+        key = None if base_key is None else feedback_part(base_key, shard.data_ptr() - flat_ptr, shard.numel())
         # async: the payload is on the wire when this returns, the pipeline's wait() decodes it, so the
         # helper thread encodes the next chunk while this one crosses the slow link
         return compressed_all_reduce(shard, group, codec, key, async_op=True)
@@ -365,7 +384,7 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
 
 
 def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: float | None, fn: Callable[[], Any],
-         async_op: bool, outputs: list[torch.Tensor], redop: str = "") -> MemrtWork | None:
+         async_op: bool, outputs: list[torch.Tensor], redop: str = "", reason: str = "") -> MemrtWork | None:
     """Run memrt's own algorithm ``fn`` for the user's call on the comm thread (one profiler event of the
     backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there)."""
     start = time.perf_counter()
@@ -387,7 +406,7 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
         finally:
             if event is not None:
                 event.end(here=True)
-        _record(name, t, nbytes, algorithm, start, tier, predicted, redop)
+        _record(name, t, nbytes, algorithm, start, tier, predicted, redop, reason)
 
     work = MemrtWork(_st.executor.submit(job), outputs)
     if async_op:
@@ -397,16 +416,16 @@ def _run(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: flo
 
 
 def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], async_op: bool,
-                predicted: float | None = None, redop: str = "") -> Any:
+                predicted: float | None = None, redop: str = "", reason: str = "") -> Any:
     start = time.perf_counter()
     tier = tier_bytes(name, "flat", nbytes, _st.topology, t.element_size())
     timer = _CudaTimer(t) if t.is_cuda else None  # CUDA: seconds and the watchdog follow completion
 
     def finish() -> None:
         if timer is None:
-            _record(name, t, nbytes, "flat", start, tier, predicted, redop)
+            _record(name, t, nbytes, "flat", start, tier, predicted, redop, reason)
         else:
-            timer.finish(name, t, nbytes, start, tier, predicted, redop)
+            timer.finish(name, t, nbytes, start, tier, predicted, redop, reason)
 
     try:
         with (_st.health.inside(name) if _st.health is not None else _null()):
@@ -429,7 +448,7 @@ class _CudaTimer:
         self.start_ev.record(torch.cuda.current_stream(self.device))
 
     def finish(self, name: str, t: torch.Tensor, nbytes: int, start: float, tier: dict[str, int],
-               predicted: float | None, redop: str = "") -> None:
+               predicted: float | None, redop: str = "", reason: str = "") -> None:
         from memrt.profiling.recorder import CommRecord, get_recorder
 
         end_ev = torch.cuda.Event(enable_timing=True)
@@ -439,8 +458,8 @@ class _CudaTimer:
         get_recorder().record_comm_pending(CommRecord(
             op=name, dtype=str(t.dtype).replace("torch.", ""),
             nbytes=int(nbytes) * (_world() if name == "all_gather" else 1), group_size=_world(),
-            algorithm="flat", seconds=0.0, tier_bytes=tier, predicted_seconds=predicted, start=start, redop=redop),
-            self.start_ev, end_ev)
+            algorithm="flat", seconds=0.0, tier_bytes=tier, predicted_seconds=predicted, start=start, redop=redop,
+            reason=reason), self.start_ev, end_ev)
 
 
 def _check(op: str, tensor: torch.Tensor, group: Any, *, extra: int = 0) -> None:
@@ -459,19 +478,32 @@ def _mine(group: Any) -> bool:
 
 
 # ---------------------------------------------------------------- collectives
-def all_reduce(tensor: torch.Tensor, op: Any = tdist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
-    """torch.distributed.all_reduce; hierarchical (pipelined) when the topology and size make it pay."""
-    if _mine(group):
+def all_reduce(tensor: torch.Tensor, op: Any = tdist.ReduceOp.SUM, group: Any = None, async_op: bool = False, *,
+               compress: str | None = None):
+    """torch.distributed.all_reduce; hierarchical (pipelined) when the topology and size make it pay.
+
+    Exact unless ``compress`` ("bf16", "fp16", "int8", or "auto": bf16 where the cost model predicts
+    a gain of at least 10%) asks to compress the inter-node hop of this call; ``MEMRT_COMPRESS`` alone
+    applies to gradient reductions (the DDP hook), never to a plain call. No error feedback here: a
+    call's own result only (see :func:`memrt.comm.register_ddp_hook` for gradients).
+    """
+    if compress is not None:
+        from memrt.comm.compress import check_compress
+
+        check_compress(compress, "compress")
+    elif _mine(group):
         from memrt.comm import fusion  # issue 6: back-to-back small async calls are coalesced
 
         fused = fusion.intercept(tensor, op, async_op)
         if fused is not None:
             return fused
-    return _all_reduce(tensor, op, group, async_op)
+    return _all_reduce(tensor, op, group, async_op, codec=compress)
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, key: Any = None,
                 codec: str | None = None):
+    """``codec``: compression of the inter hop asked by the caller (None/'none': exact); ``key``: the
+    caller's gradient buffer (a compress.FeedbackKey) for error feedback, None for none."""
     if not _mine(group):
         return tdist.all_reduce(tensor, op, group, async_op)
     _ensure(tensor.device)
@@ -486,18 +518,19 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     algorithm, predicted = _decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
-    if codec and codec != "none" and algorithm != "off" and _st.groups is not None and \
-            tensor.is_floating_point() and opn in ("SUM", "AVG"):  # compress= asked for: inter hop compressed
-        algorithm = f"hier+{codec}"
-    elif codec == "none" and "+" in algorithm:
-        algorithm = "hier"
+    reason = ""
+    if codec not in (None, "none") and _st.groups is not None and _st.topology.num_nodes > 1 and \
+            tensor.is_floating_point() and opn in ("SUM", "AVG"):  # compression asked for: inter hop only
+        from memrt.comm.compress import choose_codec
+
+        chosen = choose_codec(codec, nbytes, tensor.dtype, _st.topology, algorithm, predicted, _st.config.comm)
+        algorithm, predicted, reason = chosen.algorithm, chosen.predicted_seconds, chosen.reason
     if _st.mpi is not None and tensor.device.type == "cpu":
         mpi_algo = "hier" if algorithm.startswith("hier") else "flat"
         return _run("all_reduce", tensor, nbytes, mpi_algo + "@mpi", predicted,
                     lambda: _st.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor], opn.lower())
     if algorithm.startswith("hier"):
-        plug = _plug_for(algorithm, key if key is not None else ("all_reduce", tuple(tensor.shape), str(tensor.dtype)),
-                         tensor.data_ptr())
+        plug = _plug_for(algorithm, key, tensor.data_ptr())
         chunk = None
         if plug is not None:
             from memrt.comm.compress import pipeline_chunk_bytes
@@ -506,9 +539,9 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
         return _run("all_reduce", tensor, nbytes, algorithm, predicted,
                     lambda: alg.hierarchical_all_reduce(tensor, opn, _st.topology, inter_all_reduce=plug,
                                                         groups=_st.groups, chunk_bytes=chunk), async_op, [tensor],
-                    opn.lower())
+                    opn.lower(), reason)
     return _flat_torch("all_reduce", tensor, nbytes,
-                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower())
+                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
 
 
 _OPN = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")

@@ -90,8 +90,8 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         if baseline:
             row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), reps_for(n))}
         for a in algos:
-            _use("flat" if a == "flat" else "hier", a.split("+", 1)[1] if "+" in a else "none")
-            row[a] = {"measured": timed(lambda: dist.all_reduce(x), reps_for(n)),
+            _use("flat" if a == "flat" else "hier")
+            row[a] = {"measured": timed(_caller(x, a), reps_for(n)),
                       "predicted": select.predict(a, n, topo.nodes, model)}
         _use("auto")
         d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
@@ -128,6 +128,19 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
     _use("auto")
     out["explain"] = dist.explain()
     return out
+
+
+def _caller(x, algorithm: str):
+    """One all-reduce of ``x`` under ``algorithm``; compressed arms run as DDP's gradients do (error feedback)."""
+    import torch.distributed as tdist
+
+    from memrt.comm import api
+    from memrt.comm.compress import FeedbackKey
+
+    if "+" not in algorithm:
+        return lambda: api.all_reduce(x)
+    codec, key = algorithm.split("+", 1)[1], FeedbackKey(owner=("bench", algorithm, x.numel()))
+    return lambda: api._all_reduce(x, tdist.ReduceOp.SUM, None, False, key=key, codec=codec)
 
 
 def api_config():

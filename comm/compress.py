@@ -6,8 +6,12 @@ reductions are never compressed.
 
 Error feedback (Seide et al., "1-bit SGD", Interspeech 2014; Karimireddy et al., "Error Feedback
 Fixes SignSGD", ICML 2019): what compression dropped from a call site's tensor (its *residual*) is
-kept per ``key`` (a DDP bucket index, a call site) and added to the next tensor of that key before
-it is compressed, so over steps nothing is lost and training converges like the exact run.
+kept per ``key`` (one gradient buffer: a DDP bucket) and added to the next tensor of that same key
+before it is compressed, so over steps nothing is lost and training converges like the exact run.
+Calls without a key (a metric, a loss average) get no error feedback: another tensor's residual must
+never leak into them.
+
+The codecs themselves (bits, special values, error bounds) are in :mod:`memrt.comm.codecs`.
 """
 
 from __future__ import annotations
@@ -19,149 +23,124 @@ from typing import Hashable
 
 import torch
 
+from memrt.comm.codecs import (BLOCK_ELEMENTS, CODECS, INT8_CHUNK_ELEMENTS, Codec, check_codec as _check, decode,
+                               encode)
 from memrt.comm.tiers import DONE
 
-__all__ = ["CODECS", "Codec", "ErrorFeedback", "compressed_all_reduce", "get_error_feedback", "encode", "decode",
-           "pipeline_chunk_bytes"]
+__all__ = ["CODECS", "COMPRESS_VALUES", "AUTO_CODEC", "AUTO_MIN_GAIN", "Codec", "CodecChoice", "ErrorFeedback",
+           "FeedbackKey", "check_compress", "choose_codec", "compressed_all_reduce", "feedback_part",
+           "get_error_feedback", "encode", "decode", "pipeline_chunk_bytes", "INT8_CHUNK_ELEMENTS", "BLOCK_ELEMENTS"]
 
 logger = logging.getLogger(__name__)
 
-CODECS = ("bf16", "fp16", "int8")
-INT8_CHUNK_ELEMENTS = 2048
-"""Elements sharing one float32 scale in the int8 codec (overhead 4 bytes per 2048 bytes = 0.2%)."""
+COMPRESS_VALUES = ("none", "auto") + CODECS
+"""What ``compress=`` / ``MEMRT_COMPRESS`` accept."""
+AUTO_CODEC = "bf16"
+"""The codec ``auto`` may pick: a rounding of each value (relative error 2**-8), never int8's chunk-wide
+quantization, which changes training beyond rounding and is only used when asked for by name."""
+AUTO_MIN_GAIN = 0.10
+"""``auto`` compresses a call only when the cost model predicts it at least this much faster."""
+
+
+def check_compress(value: str | None, setting: str = "MEMRT_COMPRESS") -> None:
+    """Raise ValueError naming ``setting`` unless ``value`` is None or one of :data:`COMPRESS_VALUES`."""
+    if value is not None and value not in COMPRESS_VALUES:
+        raise ValueError(f"{setting}={value!r} is not valid: expected one of {'|'.join(COMPRESS_VALUES)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CodecChoice:
+    """The algorithm of one compressible all-reduce once the caller's ``compress`` is resolved."""
+
+    algorithm: str
+    """hier+<codec>, or the exact algorithm when ``auto`` found no gain."""
+    predicted_seconds: float | None
+    """Cost-model time of ``algorithm``, seconds."""
+    reason: str
+    """One line for the comm log: what was asked and, for auto, the predictions that decided."""
+
+
+def choose_codec(asked: str, nbytes: int, dtype: torch.dtype, topology, algorithm: str, predicted: float | None,
+                 comm_mode: str = "auto") -> CodecChoice:
+    """Resolve ``asked`` (a codec name or "auto") for a floating-point sum of ``nbytes`` on ``topology``.
+
+    ``algorithm`` / ``predicted``: the exact choice for this call. A named codec is always used (the
+    caller asked); ``auto`` uses :data:`AUTO_CODEC` when the cost model predicts ``hier+bf16`` at least
+    :data:`AUTO_MIN_GAIN` faster than the exact choice, and ``MEMRT_COMM=flat`` keeps it exact.
+    """
+    from memrt.comm import select
+
+    links, measured = select._model_of(topology, None)
+    nodes = tuple(tuple(n) for n in topology.nodes)
+    esize = select.element_size_of(dtype)
+    if asked != "auto":
+        algo = f"hier+{asked}"
+        return CodecChoice(algorithm=algo, predicted_seconds=select.predict(algo, nbytes, nodes, links, esize),
+                           reason=f"compress={asked} asked for: inter-node hop compressed")
+    if comm_mode == "flat":
+        return CodecChoice(algorithm=algorithm, predicted_seconds=predicted,
+                           reason="compress=auto: exact, MEMRT_COMM=flat forces torch's ring")
+    base = predicted if predicted is not None else select.predict(
+        "flat" if algorithm == "flat" else "hier", nbytes, nodes, links, esize)
+    algo = f"hier+{AUTO_CODEC}"
+    t = select.predict(algo, nbytes, nodes, links, esize)
+    gain = 1.0 - t / base if base > 0 else 0.0
+    src = "" if measured else ", default links: not probed yet"
+    line = (f"{algo} predicted {t * 1e3:.3g} ms vs {algorithm} {base * 1e3:.3g} ms ({gain:+.0%}; "
+            f"{nbytes} B {select._dtype_name(dtype)}{src})")
+    if gain >= AUTO_MIN_GAIN:
+        return CodecChoice(algorithm=algo, predicted_seconds=t, reason=f"compress=auto: {line} >= {AUTO_MIN_GAIN:.0%}")
+    return CodecChoice(algorithm=algorithm, predicted_seconds=predicted,
+                       reason=f"compress=auto: exact, {line} < {AUTO_MIN_GAIN:.0%}")
 
 
 @dataclass(frozen=True, slots=True)
-class Codec:
-    """A codec's name and its wire size: ``wire_bytes(numel)`` bytes for ``numel`` elements."""
+class FeedbackKey:
+    """Where a residual belongs: the gradient it compensates (``owner``) and the part of it (``part``).
 
-    name: str
-
-    def __post_init__(self) -> None:
-        _check(self.name)
-
-    def wire_bytes(self, numel: int) -> int:
-        if self.name == "int8":
-            chunks = -(-numel // INT8_CHUNK_ELEMENTS)
-            return 4 * chunks + numel
-        return 2 * numel
-
-
-BLOCK_ELEMENTS = 64 * INT8_CHUNK_ELEMENTS
-"""Elements processed per pass: blocks stay in cache and temporaries are reused (large tensors at once
-fall out of cache and page-fault fresh allocations, several times slower on CPUs)."""
-
-
-def _check(codec: str) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"codec={codec!r} is not valid: expected one of {'|'.join(CODECS)} (MEMRT_COMPRESS or compress=)")
-
-
-def _int8_layout(numel: int) -> tuple[int, int]:
-    chunks = -(-numel // INT8_CHUNK_ELEMENTS)
-    return chunks, 4 * chunks
-
-
-def _encode_block(y: torch.Tensor, codec: str, payload: torch.Tensor, start: int, numel: int,
-                  sent: torch.Tensor | None) -> None:
-    """Encode block ``y`` (elements start..start+len) into ``payload``; write the decoded values to ``sent``."""
-    n = y.numel()
-    if codec in ("bf16", "fp16"):
-        wide = torch.bfloat16 if codec == "bf16" else torch.float16
-        dst = payload[2 * start: 2 * (start + n)].view(wide)
-        if codec == "fp16":  # fp16 overflows above 65504: saturate instead of sending inf
-            y = y.clamp(-65504.0, 65504.0)
-        dst.copy_(y)
-        if sent is not None:
-            sent.copy_(dst)
-        return
-    chunks, head = _int8_layout(numel)
-    c0 = start // INT8_CHUNK_ELEMENTS
-    nc = -(-n // INT8_CHUNK_ELEMENTS)
-    full = nc * INT8_CHUNK_ELEMENTS
-    v = y if full == n else torch.nn.functional.pad(y, (0, full - n))
-    v = v.view(nc, INT8_CHUNK_ELEMENTS)
-    # amax and amin separately: torch.aminmax(dim=1) is ~10x slower on CPU (torch 2.13)
-    scale = torch.maximum(v.amax(dim=1), v.amin(dim=1).neg_()).div_(127.0)
-    payload[4 * c0: 4 * (c0 + nc)].view(torch.float32).copy_(scale)
-    inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale)).unsqueeze(1)
-    q = (v * inv).round_()  # |v * inv| <= 127 (+ rounding): no clamp needed
-    payload[head + start: head + start + n].view(torch.int8).copy_(q.view(-1)[:n])
-    if sent is not None:
-        if full == n:
-            torch.mul(q, scale.unsqueeze(1), out=sent.view(nc, INT8_CHUNK_ELEMENTS))
-        else:
-            sent.copy_(q.mul_(scale.unsqueeze(1)).view(-1)[:n])
-
-
-def encode(x: torch.Tensor, codec: str, *, residual: torch.Tensor | None = None,
-           sent_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Flat float tensor -> uint8 payload of ``Codec(codec).wire_bytes(x.numel())`` bytes.
-
-    With ``residual`` (float32, same numel) error feedback runs in the same pass: ``x + residual`` is
-    encoded and ``residual`` becomes (in place) what the payload is missing of it. ``sent_out``
-    (float32, same numel) receives the decoded payload, bitwise what :func:`decode` returns.
+    ``owner`` names one gradient buffer, e.g. ``("ddp", hook-id, bucket index)``; ``part`` tells apart
+    the pieces of it that are compressed separately (pipeline chunk offset and length, the stage of
+    the all-to-all path). :meth:`ErrorFeedback.claim` drops every part of an owner at once.
     """
-    _check(codec)
-    x = x.reshape(-1)
-    numel = x.numel()
-    payload = torch.empty(Codec(codec).wire_bytes(numel), dtype=torch.uint8, device=x.device)
-    scratch = (torch.empty(min(numel, BLOCK_ELEMENTS), device=x.device)
-               if residual is not None and sent_out is None else None)
-    for s in range(0, numel, BLOCK_ELEMENTS):
-        e = min(numel, s + BLOCK_ELEMENTS)
-        y = x[s:e].float()
-        if residual is not None:
-            y = y + residual[s:e]
-        sent = sent_out[s:e] if sent_out is not None else (scratch[: e - s] if scratch is not None else None)
-        _encode_block(y, codec, payload, s, numel, sent)
-        if residual is not None:
-            torch.sub(y, sent, out=residual[s:e])
-    return payload
+
+    owner: Hashable
+    part: tuple = ()
+
+    def sub(self, *part: Hashable) -> "FeedbackKey":
+        return FeedbackKey(owner=self.owner, part=self.part + part)
 
 
-def decode(payload: torch.Tensor, codec: str, numel: int, *, out: torch.Tensor | None = None,
-           accumulate: bool = False) -> torch.Tensor:
-    """uint8 payload -> flat float32 tensor of ``numel`` elements (into ``out``; ``accumulate`` adds to it)."""
-    _check(codec)
-    if payload.storage_offset() % 4:  # a slice of a received buffer: realign before viewing as wider types
-        payload = payload.clone()
-    if out is None:
-        out = torch.empty(numel, device=payload.device)
-        accumulate = False
-    if codec in ("bf16", "fp16"):
-        src = payload[: 2 * numel].view(torch.bfloat16 if codec == "bf16" else torch.float16)
-        for s in range(0, numel, BLOCK_ELEMENTS):
-            e = min(numel, s + BLOCK_ELEMENTS)
-            if accumulate:
-                out[s:e] += src[s:e]
-            else:
-                out[s:e].copy_(src[s:e])
-        return out
-    chunks, head = _int8_layout(numel)
-    scale = payload[:head].view(torch.float32)
-    q = payload[head: head + numel].view(torch.int8)
-    for s in range(0, numel, BLOCK_ELEMENTS):
-        e = min(numel, s + BLOCK_ELEMENTS)
-        c0, nc = s // INT8_CHUNK_ELEMENTS, -(-(e - s) // INT8_CHUNK_ELEMENTS)
-        blk = q[s:e].float()
-        full = nc * INT8_CHUNK_ELEMENTS
-        if full != e - s:
-            blk = torch.nn.functional.pad(blk, (0, full - (e - s)))
-        vals = blk.view(nc, INT8_CHUNK_ELEMENTS).mul_(scale[c0:c0 + nc].unsqueeze(1)).view(-1)[: e - s]
-        if accumulate:
-            out[s:e] += vals
-        else:
-            out[s:e].copy_(vals)
-    return out
+def _sub(key: Hashable, *part: Hashable) -> Hashable:
+    return key.sub(*part) if isinstance(key, FeedbackKey) else (key, *part)
+
+
+def feedback_part(key: Hashable, offset: int, numel: int) -> Hashable:
+    """The key of elements ``offset .. offset + numel`` of the buffer ``key`` (a pipeline chunk)."""
+    return _sub(key, offset, numel)
 
 
 class ErrorFeedback:
-    """Residuals per key: float32 buffers, zero at first use, updated in place by :func:`encode`."""
+    """Residuals per key: float32 buffers, zero at first use, updated in place by :func:`encode`.
+
+    A residual is only ever added to the tensor of its own key: a caller that reduces one gradient
+    buffer step after step (a DDP bucket) gives it a key of its own, and :meth:`claim` states what that
+    buffer holds (DDP rebuilds its buckets after the first step: another layout, other residuals).
+    """
 
     def __init__(self) -> None:
         self._residuals: dict[Hashable, torch.Tensor] = {}
+        self._layouts: dict[Hashable, Hashable] = {}
         self._lock = threading.Lock()
+
+    def claim(self, owner: Hashable, layout: Hashable) -> None:
+        """``owner``'s buffer now holds ``layout`` (e.g. its parameters): residuals of another layout are dropped."""
+        with self._lock:
+            if self._layouts.get(owner, layout) != layout:
+                dropped = [k for k in self._residuals if isinstance(k, FeedbackKey) and k.owner == owner]
+                for k in dropped:
+                    del self._residuals[k]
+                logger.debug("error feedback of %r: layout changed, %d residual(s) dropped", owner, len(dropped))
+            self._layouts[owner] = layout
 
     def buffer(self, key: Hashable, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The residual of ``key`` for a tensor of ``numel`` elements (a new zero buffer if the size changed)."""
@@ -170,7 +149,7 @@ class ErrorFeedback:
             if r is None or r.numel() != numel or r.device != torch.device(device):
                 if r is not None:
                     logger.warning("error-feedback residual of key %r had %d elements, the tensor has %d: residual "
-                                   "dropped (give each call site its own key)", key, r.numel(), numel)
+                                   "dropped (give each gradient buffer its own key)", key, r.numel(), numel)
                 r = self._residuals[key] = torch.zeros(numel, device=device)
             return r
 
@@ -178,9 +157,14 @@ class ErrorFeedback:
         with self._lock:
             return self._residuals.get(key)
 
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._residuals)
+
     def clear(self) -> None:
         with self._lock:
             self._residuals.clear()
+            self._layouts.clear()
 
     def __len__(self) -> int:
         return len(self._residuals)
@@ -312,7 +296,7 @@ def _two_phase(flat, group, codec, key, ef, m):
     for r in range(1, m):
         decode(recv[r * wire:(r + 1) * wire], codec, per, out=reduced, accumulate=True)
     me = dist.get_rank(group)
-    res2 = ef.buffer((key, "reduced", me), per, x.device) if key is not None else None
+    res2 = ef.buffer(_sub(key, "reduced", me), per, x.device) if key is not None else None
     payload = encode(reduced, codec, residual=res2)
     gathered = [torch.empty_like(payload) for _ in range(m)]
     dist.all_gather(gathered, payload, group=group)

@@ -125,7 +125,8 @@ def choose(op: str, nbytes: int, dtype: Any, topology: Any, config: Any = None, 
         t = times_of(["flat"])
         return Decision(algorithm="flat", predicted_seconds=t["flat"], reason=f"{why}: flat ({size})", candidates=t)
     sum_like = reduce_op is None or str(reduce_op).split(".")[-1].upper() in ("SUM", "AVG", "REDOPTYPE.SUM")
-    codec_ok = op == "all_reduce" and compress != "none" and is_floating(dtype) and sum_like
+    # "auto" is resolved per call by memrt.comm.compress.choose_codec (the caller passes compress="auto")
+    codec_ok = op == "all_reduce" and compress not in ("none", "auto") and is_floating(dtype) and sum_like
     cands = ["flat", "hier"] + ([f"hier+{compress}"] if codec_ok else [])
     times = times_of(cands)
     src_note = "" if measured else " (default links: not probed yet)"

@@ -72,7 +72,7 @@ MAX_BUDGET_FACTOR = 1000
 
 OFFLOAD_CHOICES = ("auto", "none", "host", "disk")
 COMM_CHOICES = ("auto", "flat", "hier", "off")
-COMPRESS_CHOICES = ("none", "bf16", "fp16", "int8")
+COMPRESS_CHOICES = ("none", "auto", "bf16", "fp16", "int8")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BALANCE_CHOICES = ("auto", "on", "off")
 
@@ -239,7 +239,8 @@ class MemrtConfig:
     comm: str = "auto"
     """MEMRT_COMM: auto|flat|hier|off — collective algorithm choice; auto uses the cost model."""
     compress: str = "none"
-    """MEMRT_COMPRESS: none|bf16|fp16|int8 — compression of the inter-node hop only."""
+    """MEMRT_COMPRESS: none|auto|bf16|fp16|int8 — compression of the inter-node hop of gradient reductions (DDP);
+    auto = bf16 where the cost model predicts >= 10% gain."""
     topology: tuple[tuple[int, ...], ...] | None = None
     """MEMRT_TOPOLOGY: node grouping override, e.g. 0,1;2,3; None discovers it."""
     report_dir: str | None = None

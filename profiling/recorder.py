@@ -53,6 +53,8 @@ class CommRecord:
     """time.perf_counter() at the call's start (for traces)."""
     redop: str = ""
     """Reduction (sum, avg, max, ...) for reducing collectives; empty otherwise (nccl-tests 'redop')."""
+    reason: str = ""
+    """Why this algorithm / codec was run, when a choice was made for the call (e.g. MEMRT_COMPRESS=auto)."""
 
 
 @dataclass(slots=True)

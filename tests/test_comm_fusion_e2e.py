@@ -55,7 +55,7 @@ def _e2e(rank, world):
     exact = x.clone()
     tdist.all_reduce(exact)
     rec.clear()
-    dist.all_reduce(x)
+    dist.all_reduce(x, compress="int8")  # MEMRT_COMPRESS alone compresses gradients (DDP), not plain calls
     gathered = [torch.empty_like(x) for _ in range(world)]
     tdist.all_gather(gathered, x)
     out["compressed_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
@@ -72,7 +72,7 @@ def _e2e(rank, world):
     out["two_phase_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
     out["two_phase_rel_err"] = ((y - y_exact).abs().max() / y_exact.abs().max()).item()
     ints = torch.arange(100_000, dtype=torch.int64) * (rank + 1)
-    dist.all_reduce(ints)
+    dist.all_reduce(ints, compress="int8")
     out["ints_exact"] = torch.equal(ints, torch.arange(100_000, dtype=torch.int64) * 10)
 
     # DDP: exact vs int8 + error feedback on the inter hop, same seeds and data

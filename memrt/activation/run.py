@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", help="MEMRT_BUDGET: bytes, a size (3GiB) or a share of each rank's device (85%%)")
     parser.add_argument("--offload", help="MEMRT_OFFLOAD: auto|none|host|disk")
     parser.add_argument("--comm", help="MEMRT_COMM: auto|flat|hier|off")
-    parser.add_argument("--compress", help="MEMRT_COMPRESS: none|bf16|fp16|int8 (inter-node hop only)")
+    parser.add_argument("--compress", help="MEMRT_COMPRESS: none|auto|bf16|fp16|int8 (inter-node hop of DDP gradients only)")
     parser.add_argument("--topology", help="MEMRT_TOPOLOGY: node grouping such as 0,1;2,3")
     parser.add_argument("--report-dir", dest="report_dir", help="MEMRT_REPORT_DIR (default ./memrt-report/<run id>/)")
     parser.add_argument("--log-level", dest="log_level", help="MEMRT_LOG_LEVEL: debug|info|warning|error")

@@ -8,7 +8,10 @@ rank and step, identical across runs. Rank 0 prints one JSON line:
 ``{"tokens_per_s", "step_s", "peak_rss_mib", "final_loss", "steps", "world", ...}``.
 ``--no-comm`` trains the same model on every rank at the same time without DDP or any collective
 during the steps (the compute-only bound); ``--comm-only`` times one all_reduce of the gradients' size
-per step (the communication alone).
+per step (the communication alone). ``--hook fp16|bf16|powersgd`` registers the DDP comm hook torch
+ships (``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook`` with ``--powersgd-rank``, warm
+start and error feedback, compressing from step 2). ``--subset N`` draws every token from a fixed set
+of N of the ``--vocab`` tokens (the other embedding rows get all-zero gradients through the input).
 """
 
 from __future__ import annotations
@@ -64,13 +67,30 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def markov_batch(table: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_batch(table: torch.Tensor, batch: int, seq: int, gen: torch.Generator,
+                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     vocab = table.size(0)
     toks = torch.empty(batch, seq + 1, dtype=torch.long)
     toks[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
     for t in range(seq):
         toks[:, t + 1] = torch.multinomial(table[toks[:, t]], 1, generator=gen).squeeze(1)
+    if tokens is not None:  # chain states -> a fixed subset of the vocabulary
+        toks = tokens[toks]
     return toks[:, :-1], toks[:, 1:]
+
+
+def register_hook(net: DDP, hook: str, powersgd_rank: int) -> None:
+    """The DDP comm hooks torch ships (no memrt)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "fp16":
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        net.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
 def main() -> None:
@@ -87,6 +107,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-comm", action="store_true")
     p.add_argument("--comm-only", action="store_true")
+    p.add_argument("--hook", choices=("none", "fp16", "bf16", "powersgd"), default="none")
+    p.add_argument("--powersgd-rank", type=int, default=1)
+    p.add_argument("--subset", type=int, default=0, help="draw tokens from this many of the vocabulary (0: all)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -95,9 +119,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
     n_params = sum(p.numel() for p in model.parameters())
-    table = torch.softmax(3.0 * torch.randn(args.vocab, args.vocab, generator=torch.Generator().manual_seed(1)), -1)
+    states = args.subset or args.vocab
+    table = torch.softmax(3.0 * torch.randn(states, states, generator=torch.Generator().manual_seed(1)), -1)
+    tokens = (torch.randperm(args.vocab, generator=torch.Generator().manual_seed(2))[:args.subset]
+              if args.subset else None)
     gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [markov_batch(table, args.batch, args.seq, gen) for _ in range(min(args.steps, 64))]
+    batches = [markov_batch(table, args.batch, args.seq, gen, tokens) for _ in range(min(args.steps, 64))]
 
     if args.comm_only:
         buf = torch.ones(n_params)
@@ -109,7 +136,16 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
         loss_value = float("nan")
     else:
-        net = model if args.no_comm else DDP(model)
+        net = model if args.no_comm else DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+        if args.hook != "none" and not args.no_comm:
+            try:
+                register_hook(net, args.hook, args.powersgd_rank)
+            except (TypeError, RuntimeError, ValueError) as exc:  # e.g. a hook that needs CUDA + NCCL
+                if rank == 0:
+                    print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}", "hook": args.hook}),
+                          flush=True)
+                dist.destroy_process_group()
+                return
         opt = torch.optim.AdamW(net.parameters(), lr=args.lr)
         times, losses = [], []
         for i in range(args.steps):
@@ -135,7 +171,9 @@ def main() -> None:
             "tokens_per_s": world * args.batch * args.seq / float(step_s), "step_s": float(step_s),
             "peak_rss_mib": float(peak), "final_loss": loss_value if math.isfinite(loss_value) else None,
             "steps": args.steps, "world": world, "params": n_params,
-            "mode": "comm-only" if args.comm_only else "no-comm" if args.no_comm else "ddp"}), flush=True)
+            "mode": "comm-only" if args.comm_only else "no-comm" if args.no_comm else "ddp",
+            "hook": args.hook, "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
+            "losses_finite": all(math.isfinite(v) for v in losses) if not args.comm_only else None}), flush=True)
     dist.destroy_process_group()
 
 
