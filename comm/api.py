@@ -231,18 +231,57 @@ class MemrtWork:
 
 
 class _RecordedWork:
-    """A torch Work that records its CommRecord when waited on, and diagnoses peer failures."""
+    """A torch Work that records its CommRecord when it completes, and diagnoses peer failures.
+
+    The health watchdog sees the collective as in flight from its launch to its completion, whether the
+    caller waits on it (``wait()``) or hands its future on (``get_future()``, as DDP's comm hook does): a
+    frozen peer is reported, and a dead one named, on both paths.
+    """
 
     def __init__(self, work: Any, finish: Callable[[], None], name: str) -> None:
         self._work, self._finish, self._name = work, finish, name
+        self._finished = False
+        self._chained: Any = None
+        health = _st.health
+        self._token = health.begin(name) if health is not None else None
+        if self._token is not None:
+            try:
+                work.get_future().add_done_callback(lambda _f: health.end(self._token))
+            except Exception:  # noqa: BLE001 - a Work without a future: wait() ends the span
+                pass
+
+    def _end(self) -> None:
+        if self._token is not None and _st.health is not None:
+            _st.health.end(self._token)
+
+    def _finish_once(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._finish()
 
     def wait(self, *args: Any, **kw: Any) -> bool:
         try:
             ok = self._work.wait(*args, **kw)
         except Exception as exc:  # noqa: BLE001
+            self._end()
             _raise_diagnosed(self._name, exc)
-        self._finish()
+        self._end()
+        self._finish_once()
         return ok
+
+    def get_future(self) -> Any:
+        """The work's future, recorded on completion; a failure becomes the diagnosed PeerFailureError."""
+        if self._chained is None:
+            def after(fut: Any) -> Any:
+                try:
+                    value = fut.value()
+                except Exception as exc:  # noqa: BLE001
+                    _raise_diagnosed(self._name, exc)
+                self._finish_once()
+                return value
+
+            self._chained = self._work.get_future().then(after)
+        return self._chained
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

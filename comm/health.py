@@ -15,6 +15,7 @@ over a small gloo group and raises :class:`CollectiveMismatchError` listing the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -106,6 +107,7 @@ class HealthMonitor:
         self._count = 0
         self._stop = threading.Event()
         self._inside: dict[int, tuple[str, float]] = {}
+        self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._thread: threading.Thread | None = None
@@ -139,17 +141,29 @@ class HealthMonitor:
                 self.store_lost = True
             self._watchdog()
 
+    def begin(self, name: str) -> int:
+        """Mark collective ``name`` as in flight (for the hang watchdog) until :meth:`end` with the token.
+
+        For collectives no thread waits on (an async Work, a future DDP holds): the span runs from the
+        launch to the completion of the work, whoever waits for it.
+        """
+        token = next(self._tokens)
+        with self._lock:
+            self._inside[-token] = (name, time.monotonic())
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._inside.pop(-token, None)
+
     @contextmanager
     def inside(self, name: str) -> Iterator[None]:
         """Mark this thread as inside collective ``name`` (for the hang watchdog)."""
-        tid = threading.get_ident()
-        with self._lock:
-            self._inside[tid] = (name, time.monotonic())
+        token = self.begin(name)
         try:
             yield
         finally:
-            with self._lock:
-                self._inside.pop(tid, None)
+            self.end(token)
 
     # ---- diagnosis
     def _read(self, r: int) -> bytes | None:
@@ -235,9 +249,12 @@ class HealthMonitor:
         install_exit_guard()
         if missing:
             msg = (f"memrt.comm: {op} failed on rank {self.rank}: rank(s) {missing} are gone (no heartbeat for "
-                   f"{self.stale_s:.0f} s); the job cannot continue ({type(exc).__name__}: {exc})")
+                   f"{self.stale_s:.0f} s); the job cannot continue ({type(exc).__name__}: {_first_line(exc)})")
+            # said here too: DDP and other holders of a future re-wrap the exception inside their own traceback
+            print(msg, file=sys.stderr, flush=True)
         else:
-            msg = f"memrt.comm: {op} failed on rank {self.rank}; every peer is still alive ({type(exc).__name__}: {exc})"
+            msg = (f"memrt.comm: {op} failed on rank {self.rank}; every peer is still alive "
+                   f"({type(exc).__name__}: {_first_line(exc)})")
         return PeerFailureError(msg, missing)
 
     def _peer_reports(self) -> list[tuple[int, str]]:
@@ -274,10 +291,11 @@ class HealthMonitor:
                    "unreachable: the process hosting it (rank 0 or the launcher) is gone")
         elif stale:
             missing, failed = self.split_stale(stale)
-            msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {missing} are gone "
-                   f"(no heartbeat for {self.stale_s:.0f} s)" if missing else
-                   f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {failed} left after "
-                   "a failure")
+            silent = max(time.monotonic() - self._seen[r][1] for r in stale)
+            msg = (f"memrt.comm: rank {self.rank} waited {waited:.0f} s in {name}: rank(s) {missing} stopped "
+                   f"responding (no heartbeat for {silent:.0f} s: frozen, stopped or gone); exiting" if missing else
+                   f"memrt.comm: rank {self.rank} waited {waited:.0f} s in {name}: rank(s) {failed} left after a "
+                   "failure; exiting")
         else:
             return
         print(msg, file=sys.stderr, flush=True)
@@ -286,7 +304,13 @@ class HealthMonitor:
             os._exit(1)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
 _guard_installed = False
+_diagnosed = False
 
 
 def install_exit_guard(grace_s: float = 20.0) -> None:
@@ -294,7 +318,8 @@ def install_exit_guard(grace_s: float = 20.0) -> None:
 
     Shutdown joins threads; one blocked on a socket to a dead peer would hold the process forever.
     """
-    global _guard_installed
+    global _guard_installed, _diagnosed
+    _diagnosed = True
     if _guard_installed:
         return
     _guard_installed = True
@@ -302,7 +327,8 @@ def install_exit_guard(grace_s: float = 20.0) -> None:
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
-        if isinstance(exc, PeerFailureError):
+        # a PeerFailureError raised in a future's callback reaches here wrapped (DDP: RuntimeError)
+        if isinstance(exc, PeerFailureError) or _diagnosed:
             def guard() -> None:
                 time.sleep(grace_s)
                 print(f"memrt.comm: shutdown after {exc_type.__name__} hung for {grace_s:.0f} s; exiting",
