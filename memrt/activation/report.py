@@ -160,7 +160,14 @@ def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) ->
     return {"rank": sess.rank, "budget": str(sess.config.budget) if sess.config.budget else None,
             "budget_bytes": budget, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted,
             "actions": dict(actions), "comm_calls": len(comm), "tier_bytes": dict(tiers),
-            "comm_hooks": sess.comm_hooks, "failures": len(sess.failures)}
+            "comm_hooks": sess.comm_hooks, "failures": len(_failures(sess))}
+
+
+def _failures(sess: Session) -> list[str]:
+    """memrt's failures in this process and the settings it could not honour (memrt.errors.note_degraded)."""
+    from memrt.errors import degraded
+
+    return list(sess.failures) + degraded()
 
 
 def _fmt(n: Any) -> str:
@@ -218,7 +225,7 @@ def at_exit() -> None:
             "launcher": sess.launch.launcher, "backend": sess.backend,
             "nodes": [list(n) for n in sess.nodes] if sess.nodes else None, "nodes_source": sess.nodes_source,
             "config": sess.config.effective(), "models": sess.models, "plans": plans,
-            "comm_hooks": sess.comm_hooks, "failures": sess.failures, "device": device,
+            "comm_hooks": sess.comm_hooks, "failures": _failures(sess), "device": device,
             "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
         })
         if sess.report_problem is None:

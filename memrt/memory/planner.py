@@ -306,15 +306,17 @@ def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: O
         except ImportError:
             logger.info("memrt.memory.offload not available: planning keep/recompute only")
         else:
-            if bandwidths is None:
+            from memrt.memory.offload.folder import usable_tiers  # host needs CUDA, disk a usable folder
+
+            tiers = usable_tiers(profile, offload, profile.device)
+            if bandwidths is None and tiers:
                 try:
                     from memrt.memory.offload import load_bandwidths
 
                     bandwidths = load_bandwidths(profile.device)
                 except Exception as exc:  # noqa: BLE001 - a failed probe only removes offload options
                     logger.warning("offload bandwidth probe failed (%s): planning keep/recompute only", exc)
-            if bandwidths is not None:
-                tiers = None if offload == "auto" else (offload,)
+            if bandwidths is not None and tiers:
 
                 def offload_fn(u: UnitProfile) -> Sequence[UnitOption]:
                     return offload_options(u, bandwidths, profile.device, tiers=tiers)
