@@ -340,3 +340,44 @@ def test_slabs_are_private_and_removed_when_a_growth_fails(tmp_path):
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plan_without_room_in_the_offload_folder_is_made_again_without_the_disk_tier(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """The folder is checked against the plan's own disk bytes when the plan is made, before any step writes."""
+    import memrt
+    from memrt.errors import BudgetError
+    from memrt.memory.planner import min_feasible_budget
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    cfg = GPTConfig(n_layer=6, d_model=32, seq_len=64, n_head=1, dropout=0.0)
+    x, y = gpt_batch(cfg, 16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    prof = memrt.profile(model, lambda: lm_loss(model(x), y).backward())
+    bw = load_bandwidths("cpu", str(tmp_path), cache_path=tmp_path / "bw.json")
+    floor = min_feasible_budget(prof)
+    budget = (min_feasible_budget(prof, offload="disk", bandwidths=bw) + floor) // 2  # only a disk plan fits
+    spill = tmp_path / "spill"
+    monkeypatch.setenv("MEMRT_OFFLOAD_DIR", str(spill))
+    plan = memrt.plan(prof, budget, offload="disk", bandwidths=bw)
+    moved = sum(u.bytes_moved for u in plan.units if u.action.endswith("offload_disk"))
+    assert moved > 0
+    mine = spill / f"memrt-reserve-{HOST}-{os.getpid()}"
+    assert mine.read_text() == str(moved) and _mode(mine) == 0o600
+    # another live process of this host now holds all the room left: the same plan no longer fits
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        (spill / f"memrt-reserve-{HOST}-{holder.pid}").write_text(str(shutil.disk_usage(spill).free))
+        folder.reset()
+        with caplog.at_level(logging.WARNING), pytest.raises(BudgetError):
+            memrt.plan(prof, budget, offload="disk", bandwidths=bw)
+        lines = _warnings(caplog)
+        assert len(lines) == 1 and "by the 2 processes sharing it" in lines[0], lines
+        assert "planning without the disk tier" in lines[0]
+        assert not mine.exists()  # a refused reservation is withdrawn
+        with_room = memrt.plan(prof, floor, offload="disk", bandwidths=bw)  # feasible without the disk tier
+        assert not any(u.action.endswith("offload_disk") for u in with_room.units)
+        assert len(_warnings(caplog)) == 1  # warned once
+    finally:
+        holder.communicate(b"\n", timeout=30)

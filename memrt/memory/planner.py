@@ -394,7 +394,14 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
         units.append(UnitPlan(name=u.name, call=u.call, action=o.action, bytes_kept=int(o.resident_bytes),
                               bytes_freed=int(max(0, u.saved_bytes - o.resident_bytes)), bytes_moved=int(moved),
                               added_seconds=float(o.added_seconds)))
-    return Plan(units=units, budget_bytes=None if budget is None else int(budget), predicted_peak_bytes=_peak(m, pick),
-                keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
-                planning_seconds=time.perf_counter() - t0, structure=profile.structure,
-                signature=profile.signature, device=profile.device)
+    result = Plan(units=units, budget_bytes=None if budget is None else int(budget), predicted_peak_bytes=_peak(m, pick),
+                  keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
+                  planning_seconds=time.perf_counter() - t0, structure=profile.structure,
+                  signature=profile.signature, device=profile.device)
+    if any(u.action.endswith("offload_disk") for u in units):
+        from memrt.memory.offload.folder import room_for  # no room in the offload folder: plan without disk
+
+        if not room_for(result):
+            return plan(profile, budget, margin_bytes=margin_bytes, offload=offload, bandwidths=bandwidths,
+                        extra_options=extra_options, resolution=resolution)
+    return result

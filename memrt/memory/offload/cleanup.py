@@ -52,9 +52,9 @@ def make_folder_chain(folder: str | os.PathLike) -> None:
     for level in reversed(missing):
         try:
             os.mkdir(level, 0o700)
-        except FileExistsError:  # another rank created it meanwhile
-            continue
-        os.chmod(level, 0o700)
+            os.chmod(level, 0o700)
+        except FileExistsError:  # another rank of the job created it a moment ago: the last to exit removes it
+            pass
         with _lock:
             _chain[str(level)] = os.getpid()
         _install_handlers()

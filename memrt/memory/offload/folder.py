@@ -1,19 +1,20 @@
 """The disk tier's folder, checked when a plan is made, before any step writes to it.
 
-:func:`usable_tiers` decides which offload tiers the planner may use on this rank:
+:func:`usable_tiers` decides which offload tiers the planner may use on this rank, :func:`room_for` whether
+the plan made with the disk tier fits:
 
 - ``host`` needs a CUDA device: asked for explicitly (``MEMRT_OFFLOAD=host``) on a CPU-only process it is a
   warning naming the setting, and planning goes on with keep/recompute;
 - ``disk`` needs a folder (``MEMRT_OFFLOAD_DIR``, else the temp dir) that exists or can be created (each
-  level memrt creates is 0700, removed at exit when empty), that this process can write, and whose
-  filesystem has room for what the plan may write per step (every unit's activations or inputs, the most
-  any plan can send there) for every process sharing the folder, plus :data:`MARGIN`. Processes sharing a
-  folder see each other through small reservation files (``memrt-reserve-<host>-<pid>``, 0600, removed at
-  exit; those of dead processes on this host are swept): the last of two ranks to check counts both, so two
-  ranks on one small filesystem never each pass alone and then fill it mid-step.
+  level memrt creates is 0700, removed at exit when empty) and that this process can write; and the plan
+  needs room on its filesystem for what it writes per step, for every process sharing the folder, plus
+  :data:`MARGIN`. Processes sharing a folder see each other through small reservation files
+  (``memrt-reserve-<host>-<pid>``, 0600, removed at exit; those of dead processes on this host are swept):
+  the last of two ranks to check counts both, so two ranks on one small filesystem never each pass alone
+  and then fill it mid-step. (Ranks using different folders of one filesystem do not see each other.)
 
 A folder that fails is one warning per rank (naming the setting, the folder and the reason) and the plan is
-made without the disk tier; ``MEMRT_STRICT=1`` makes it an error: the message, exit status 2. Each such
+made again without the disk tier; ``MEMRT_STRICT=1`` makes it an error: the message, exit status 2. Each such
 fallback is noted with :func:`memrt.errors.note_degraded`, so the run summary does not count it as clean.
 """
 
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 
 from memrt.memory.offload import cleanup
 
-__all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "disk_bytes_bound"]
+__all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "room_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +65,6 @@ class FolderCheck:
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_")
-
-
-def disk_bytes_bound(profile: Any) -> int:
-    """The most any plan of ``profile`` can write to the disk tier per step: per unit call, the larger of its
-    offloadable saved bytes and its inputs (what ``offload_disk`` / ``recompute+offload_disk`` move)."""
-    total = 0
-    for u in getattr(profile, "units", ()):
-        saved = int(getattr(u, "offloadable_bytes", None) or getattr(u, "saved_bytes", 0) or 0)
-        inputs = getattr(u, "offloadable_input_bytes", None)
-        if inputs is None:
-            inputs = getattr(u, "input_bytes", 0)
-        total += max(saved, int(inputs or 0))
-    return total
 
 
 def _reservations(folder: Path) -> tuple[int, int]:
@@ -141,6 +129,8 @@ def check_folder(parent: str | os.PathLike | None, need_bytes: int, *, margin: f
     except OSError as exc:
         check.problem = f"cannot write in {folder} ({exc.strerror or exc})"
         return check
+    if need_bytes <= 0:
+        return check
     try:
         mine = _reserve(folder, need_bytes)
     except OSError as exc:
@@ -162,10 +152,11 @@ def check_folder(parent: str | os.PathLike | None, need_bytes: int, *, margin: f
 
 
 def usable_tiers(profile: Any, offload: str | None, device: Any) -> tuple[str, ...]:
-    """The offload tiers the planner may use for ``profile`` with ``MEMRT_OFFLOAD=offload`` on ``device``."""
-    import torch
+    """The offload tiers the planner may use for ``profile`` with ``MEMRT_OFFLOAD=offload`` on ``device``.
 
-    from memrt.config import load_config
+    The disk tier needs a folder that exists or can be created and that this process can write; whether
+    it has room is decided for the plan made with it (:func:`room_for`)."""
+    import torch
 
     if offload in (None, "none"):
         return ()
@@ -176,26 +167,43 @@ def usable_tiers(profile: Any, offload: str | None, device: Any) -> tuple[str, .
             _warn_once("host", f"MEMRT_OFFLOAD=host: the host tier needs a CUDA device and this process plans for "
                                f"{device}; planning without offloading (keep / recompute)")
         tiers = tuple(t for t in tiers if t != "host")
-    if "disk" in tiers:
-        config = load_config(warn_unknown=False)
-        need = disk_bytes_bound(profile)
-        key = str(config.offload_dir)
-        check = _checked.get(key)
-        if check is None or (check.problem is None and need > check.need_bytes):
-            check = _checked[key] = check_folder(config.offload_dir, need)
-        if check.problem is not None:
-            setting = f"MEMRT_OFFLOAD_DIR={config.offload_dir}" if config.offload_dir else \
-                "the offload folder (MEMRT_OFFLOAD_DIR unset: the temp dir)"
-            message = f"{setting} cannot take offloaded activations{_on_rank()}: {check.problem}"
-            if config.strict:
-                sys.stderr.write(f"memrt: error: {message} (MEMRT_STRICT=1)\n")
-                sys.stderr.flush()
-                raise SystemExit(2)
-            _warn_once(f"disk:{key}", f"{message}; planning without the disk tier (set MEMRT_OFFLOAD_DIR to a "
-                                      "writable folder with room, or MEMRT_OFFLOAD=none; MEMRT_STRICT=1 makes this "
-                                      "an error)")
-            tiers = tuple(t for t in tiers if t != "disk")
+    if "disk" in tiers and _verdict(0).problem is not None:
+        tiers = tuple(t for t in tiers if t != "disk")
     return tuple(tiers)
+
+
+def room_for(plan: Any) -> bool:
+    """Whether the disk tier's folder has room for ``plan`` (and every other plan sharing it); reserves it.
+
+    False after one warning when it has not: the disk tier is then left out of this process's plans
+    (:func:`usable_tiers`) and the caller plans again."""
+    from memrt.memory.offload.engine import plan_bytes
+
+    need = plan_bytes(plan, "disk")
+    return need == 0 or _verdict(need).problem is None
+
+
+def _verdict(need: int) -> "FolderCheck":
+    """The folder's check for a plan writing ``need`` bytes (0: usable at all), warned once when it fails."""
+    from memrt.config import load_config
+
+    config = load_config(warn_unknown=False)
+    key = str(config.offload_dir)
+    check = _checked.get(key)
+    if check is None or (check.problem is None and need > check.need_bytes):
+        check = _checked[key] = check_folder(config.offload_dir, need)
+    if check.problem is not None:
+        setting = f"MEMRT_OFFLOAD_DIR={config.offload_dir}" if config.offload_dir else \
+            "the offload folder (MEMRT_OFFLOAD_DIR unset: the temp dir)"
+        message = f"{setting} cannot take offloaded activations{_on_rank()}: {check.problem}"
+        if config.strict:
+            sys.stderr.write(f"memrt: error: {message} (MEMRT_STRICT=1)\n")
+            sys.stderr.flush()
+            raise SystemExit(2)
+        _warn_once(f"disk:{key}", f"{message}; planning without the disk tier (set MEMRT_OFFLOAD_DIR to a "
+                                  "writable folder with room, or MEMRT_OFFLOAD=none; MEMRT_STRICT=1 makes this "
+                                  "an error)")
+    return check
 
 
 def _on_rank() -> str:
