@@ -88,3 +88,36 @@ def test_two_ranks_sharing_a_small_filesystem_never_fill_it(tmp_path):
     assert run.out.count("recompute+offload_disk") == 1  # one rank offloads, the other plans without disk
     assert left == []
     record_time("offload-dir-shared-small-fs", run.seconds)
+
+
+def test_leftovers_of_killed_processes_are_swept_when_the_next_job_starts(tmp_path):
+    """SIGKILL runs no clean-up: the next MEMRT=1 job on the host removes what dead processes left in the temp
+    dir (offload folders, reservations) and in /dev/shm (slabs), and never another host's."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    host = socket.gethostname().replace("-", "_")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    stale_dir = tmp / f"memrt-offload-{host}-{dead.pid}-x1"
+    stale_dir.mkdir()
+    (stale_dir / "unit0-1.bin").write_bytes(b"x" * 4096)
+    stale_reserve = tmp / f"memrt-reserve-{host}-{dead.pid}"
+    stale_reserve.write_text("4096")
+    other_host = tmp / f"memrt-offload-elsewhere_7-{dead.pid}-x1"
+    other_host.mkdir()
+    slab = Path("/dev/shm") / f"memrt-shm-{host}-{dead.pid}-test{tmp_path.name[-8:]}-0-1-0"
+    have_shm = Path("/dev/shm").is_dir()
+    if have_shm:
+        slab.write_bytes(b"x" * 4096)
+    try:
+        run = torchrun(tmp_path, EXAMPLE, "--steps", "0", MEMRT="1")
+        assert run.rc == 0, run.out[-3000:]
+        assert not stale_dir.exists() and not stale_reserve.exists() and other_host.exists()
+        assert not (have_shm and slab.exists())
+    finally:
+        slab.unlink(missing_ok=True)
+    other_host.rmdir()

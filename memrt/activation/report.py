@@ -76,8 +76,9 @@ def begin(config: MemrtConfig) -> Session:
                    run_id=run_id, report_dir=_session.report_dir_for(config, run_id), backend=backend,
                    store=store)
     _session.set_current(sess)
-    from memrt.activation.checks import default_report_problem
+    from memrt.activation.checks import default_report_problem, sweep_leftovers
 
+    sweep_leftovers(config)  # what processes of this host killed with SIGKILL left (offload folders, slabs)
     sess.report_problem = default_report_problem(config)
     if sess.report_problem is not None:
         logger.warning("memrt: rank %d will write no report at exit: %s; set MEMRT_REPORT_DIR to a folder memrt "

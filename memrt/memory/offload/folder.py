@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from memrt.memory.offload import cleanup
 
-__all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "room_for"]
+__all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "room_for", "sweep_stale_reservations"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ class FolderCheck:
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_")
+
+
+def sweep_stale_reservations(folder: Path) -> None:
+    """Remove reservation files of dead processes of this host in ``folder``."""
+    _reservations(folder)
 
 
 def _reservations(folder: Path) -> tuple[int, int]:
