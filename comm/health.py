@@ -301,7 +301,19 @@ class HealthMonitor:
         print(msg, file=sys.stderr, flush=True)
         if self.exit_on_hang:
             self.mark_failed(f"hang in {name}")
-            os._exit(1)
+            _hard_exit(1)
+
+
+def _hard_exit(code: int) -> None:
+    """``os._exit`` (the main thread may be blocked on a dead peer forever), after removing this process's
+    offload files: atexit does not run. Looked up, not imported: memrt.comm does not depend on memrt.memory."""
+    cleanup = sys.modules.get("memrt.memory.offload.cleanup")
+    if cleanup is not None:
+        try:
+            cleanup.remove_all_own()
+        except Exception:  # noqa: BLE001 - exiting matters more; the next start on this host sweeps them
+            pass
+    os._exit(code)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -333,7 +345,7 @@ def install_exit_guard(grace_s: float = 20.0) -> None:
                 time.sleep(grace_s)
                 print(f"memrt.comm: shutdown after {exc_type.__name__} hung for {grace_s:.0f} s; exiting",
                       file=sys.stderr, flush=True)
-                os._exit(1)
+                _hard_exit(1)
 
             threading.Thread(target=guard, name="memrt-exit-guard", daemon=True).start()
 

@@ -130,9 +130,16 @@ def test_frozen_rank_is_reported_by_the_watchdog_on_the_api_path(tmp_path, path)
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_frozen_or_dead_rank_under_memrt_ddp_ends_with_one_line(tmp_path, sig):
-    """MEMRT=1 and an unchanged DDP script: the gradient all-reduce runs in memrt's comm hook (a future)."""
-    procs = _start(tmp_path, 2, [sys.executable, str(EXAMPLE), "--steps", "1000000"], per_node=2, MEMRT="1")
+    """MEMRT=1 and an unchanged DDP script: the gradient all-reduce runs in memrt's comm hook (a future).
+
+    The plan offloads to disk (MEMRT_OFFLOAD_DIR): the survivor removes its own offload files on the way out
+    (also when the watchdog ends it with os._exit); the victim's are for the next start on the host to sweep."""
+    spill = tmp_path / "spill"
+    procs = _start(tmp_path, 2, [sys.executable, str(EXAMPLE), "--steps", "1000000", "--batch", "512"], per_node=2,
+                   MEMRT="1", MEMRT_OFFLOAD="disk", MEMRT_BUDGET="5.5MB", MEMRT_OFFLOAD_DIR=str(spill))
     _wait_running(tmp_path, procs, "step 5 ", [0])
+    assert any(spill.glob(f"memrt-offload-*-{procs[0].pid}-*")), "rank 0 does not offload"
+    victim_pid = procs[1].pid
     bound = STOP_BOUND_S if sig == "SIGSTOP" else KILL_BOUND_S
     (rc, seconds), = _fault(tmp_path, procs, 1, getattr(signal, sig), bound).values()
     text = _text(tmp_path, 0)
@@ -146,4 +153,5 @@ def test_frozen_or_dead_rank_under_memrt_ddp_ends_with_one_line(tmp_path, sig):
         assert "all_reduce failed on rank 0: rank(s) [1] are gone" in lines[0], lines
         assert "Connection" in lines[0]  # gloo's own reason stays, at the end of the line
     record_time(f"{sig.lower()}-memrt-ddp", seconds)
-    assert _left_behind(tmp_path) == []
+    assert [p for p in spill.iterdir() if f"-{victim_pid}" not in p.name] == []
+    assert _left_behind(tmp_path) == ["spill"]

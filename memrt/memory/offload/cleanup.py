@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 __all__ = ["make_private_dir", "make_folder_chain", "register_dir", "register_file", "forget_file", "remove_dir",
-           "registered_dirs", "sweep_stale_dirs", "pid_alive"]
+           "registered_dirs", "sweep_stale_dirs", "pid_alive", "remove_all_own"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,11 @@ def _rmtree(path: str) -> None:
         if not os.path.exists(path):
             return
     logger.warning("could not remove offload folder %s; remove it by hand", path)
+
+
+def remove_all_own() -> None:
+    """Remove every folder and file this process registered, now (before an ``os._exit``, which skips atexit)."""
+    _remove_all_own()
 
 
 def _remove_all_own() -> None:
