@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -239,8 +240,9 @@ class _RecordedWork:
     """
 
     def __init__(self, work: Any, finish: Callable[[], None], name: str) -> None:
-        self._work, self._finish, self._name = work, finish, name
-        self._finished = False
+        self._work, self._name = work, name
+        self._pending: Callable[[], None] | None = finish
+        self._lock = threading.Lock()
         self._chained: Any = None
         health = _st.health
         self._token = health.begin(name) if health is not None else None
@@ -255,9 +257,11 @@ class _RecordedWork:
             _st.health.end(self._token)
 
     def _finish_once(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._finish()
+        """Record the call once (it may be both waited on and completed through its future)."""
+        with self._lock:
+            finish, self._pending = self._pending, None
+        if finish is not None:
+            finish()
 
     def wait(self, *args: Any, **kw: Any) -> bool:
         try:

@@ -5,8 +5,11 @@ rendezvous store once per ``interval_s``. When a collective fails (gloo reports 
 when a peer dies), :meth:`HealthMonitor.diagnose` waits ``stale_s`` and names the ranks whose counter
 stopped without them reporting a failure of their own: the error says "rank 2 is gone". When a
 collective does not fail but stops progressing (a peer is frozen or its host vanished), the watchdog
-in the same thread notices a stale peer while this rank has been inside a collective for longer than
+in the same thread notices a stale peer while this rank has had a collective in flight for longer than
 ``hang_s``, prints the diagnosis and ends the process with exit code 1 (like NCCL's async error handling).
+"In flight" covers every collective memrt runs: a blocking call (:meth:`HealthMonitor.inside`) and an
+async one from its launch to its completion (:meth:`HealthMonitor.begin` / :meth:`~HealthMonitor.end`),
+whether its Work is waited on or its future handed on (DDP's comm hook), so both paths are diagnosed.
 
 Mismatch check (on by default in debug mode: ``MEMRT_LOG_LEVEL=debug`` or ``TORCH_DISTRIBUTED_DEBUG``
 INFO/DETAIL): before a collective, every rank all-gathers a 12-integer signature (op, dtype, shape)
