@@ -109,6 +109,10 @@ def test_killed_rank_is_named_by_every_survivor_within_60s(tmp_path):
         assert f"rank(s) [{victim}]" in text, f"rank {r} did not name rank {victim}:\n{text[-3000:]}"
     record_time("sigkill-api-hier-4-ranks", max(s for _, s in exits.values()))
     assert _left_behind(tmp_path) == []
+    pids = {str(p.pid) for p in procs}
+    shm = Path("/dev/shm")
+    slabs = [p.name for p in shm.glob("memrt-shm-*")] if shm.is_dir() else []
+    assert [n for n in slabs if n.split("-")[3] in pids] == []  # intra-node slabs of this job: none left
 
 
 @pytest.mark.slow
