@@ -26,7 +26,7 @@ import torch
 
 from memrt import errors
 from memrt.agreement import decide
-from memrt.memory.offload import bandwidth, cleanup, folder
+from memrt.memory.offload import bandwidth, folder
 from memrt.memory.offload.bandwidth import Bandwidths, load_bandwidths
 
 HOST = socket.gethostname().replace("-", "_")

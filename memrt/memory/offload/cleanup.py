@@ -32,13 +32,18 @@ _PREFIX = "memrt-offload-"
 _lock = threading.Lock()
 _dirs: dict[str, int] = {}  # path -> pid that created it
 _files: dict[str, int] = {}  # path -> pid that created it
-_chain: dict[str, int] = {}  # parent levels created, in creation order -> pid
+_chain: dict[str, int] = {}  # folders in a chain memrt made (marked levels removed at exit) -> pid
 _installed = False
 _previous_sigterm = None
 
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_")
+
+
+_MADE = ".memrt-made"
+"""Marker file in each folder level memrt created: only marked levels are ever removed, by whichever process
+of the job leaves last (a level a sibling rank created is removed once the sibling's files are gone too)."""
 
 
 def make_folder_chain(folder: str | os.PathLike) -> None:
@@ -52,14 +57,31 @@ def make_folder_chain(folder: str | os.PathLike) -> None:
     for level in reversed(missing):
         try:
             os.mkdir(level, 0o700)
-            os.chmod(level, 0o700)
-        except FileExistsError:  # another rank of the job created it a moment ago: the last to exit removes it
-            pass
-        with _lock:
-            _chain[str(level)] = os.getpid()
-        _install_handlers()
+        except FileExistsError:  # another rank of the job created it a moment ago
+            continue
+        os.chmod(level, 0o700)
+        os.close(os.open(level / _MADE, os.O_WRONLY | os.O_CREAT, 0o600))
     if not folder.is_dir():
         raise NotADirectoryError(f"{folder} is not a directory")
+    if (folder / _MADE).exists():
+        with _lock:
+            _chain[str(folder)] = os.getpid()
+        _install_handlers()
+
+
+def _remove_made_levels(folder: str) -> None:
+    """From ``folder`` up: remove each level memrt made that holds nothing but its marker."""
+    cur = Path(folder)
+    while cur.parent != cur:
+        try:
+            if set(os.listdir(cur)) != {_MADE}:
+                return
+            os.unlink(cur / _MADE)
+            os.rmdir(cur)
+        except OSError:  # a sibling removed it first, or put something in meanwhile
+            if cur.exists():
+                return
+        cur = cur.parent
 
 
 def make_private_dir(parent: str | os.PathLike | None) -> Path:
@@ -189,11 +211,8 @@ def _remove_all_own() -> None:
             os.unlink(p)
         except OSError:
             pass
-    for p in reversed(levels):  # deepest first; a level someone else still uses is not empty and stays
-        try:
-            os.rmdir(p)
-        except OSError:
-            pass
+    for p in levels:  # a level someone else still uses is not empty and stays (the last to leave removes it)
+        _remove_made_levels(p)
 
 
 def _on_sigterm(signum, frame) -> None:
