@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from _faults import EXAMPLE, clean_env, record_time
+from _faults import REPO, clean_env, record_time
 from memrt.comm.health import HealthMonitor
 
 HERE = Path(__file__).parent
+DEEP = REPO / "tests" / "scripts" / "deep_ddp.py"
+"""An unchanged DDP script whose plan at 7 MiB must offload to disk (see tests/test_faults_offload.py)."""
 KILL_BOUND_S = 60.0
 """A dead peer: every survivor names it and exits within this many seconds."""
 HANG_S = HealthMonitor.__init__.__kwdefaults__["hang_s"]
@@ -139,8 +141,8 @@ def test_frozen_or_dead_rank_under_memrt_ddp_ends_with_one_line(tmp_path, sig):
     The plan offloads to disk (MEMRT_OFFLOAD_DIR): the survivor removes its own offload files on the way out
     (also when the watchdog ends it with os._exit); the victim's are for the next start on the host to sweep."""
     spill = tmp_path / "spill"
-    procs = _start(tmp_path, 2, [sys.executable, str(EXAMPLE), "--steps", "1000000", "--batch", "512"], per_node=2,
-                   MEMRT="1", MEMRT_OFFLOAD="disk", MEMRT_BUDGET="5.5MB", MEMRT_OFFLOAD_DIR=str(spill))
+    procs = _start(tmp_path, 2, [sys.executable, str(DEEP), "--steps", "1000000"], per_node=2,
+                   MEMRT="1", MEMRT_OFFLOAD="disk", MEMRT_BUDGET="7MiB", MEMRT_OFFLOAD_DIR=str(spill))
     _wait_running(tmp_path, procs, "step 5 ", [0])
     assert any(spill.glob(f"memrt-offload-*-{procs[0].pid}-*")), "rank 0 does not offload"
     victim_pid = procs[1].pid
@@ -157,5 +159,6 @@ def test_frozen_or_dead_rank_under_memrt_ddp_ends_with_one_line(tmp_path, sig):
         assert "all_reduce failed on rank 0: rank(s) [1] are gone" in lines[0], lines
         assert "Connection" in lines[0]  # gloo's own reason stays, at the end of the line
     record_time(f"{sig.lower()}-memrt-ddp", seconds)
-    assert [p for p in spill.iterdir() if f"-{victim_pid}" not in p.name] == []
+    # the victim's folder stays for the next start to sweep, and with it the marker of the level memrt made
+    assert [p.name for p in spill.iterdir() if f"-{victim_pid}" not in p.name] == [".memrt-made"]
     assert _left_behind(tmp_path) == ["spill"]
