@@ -381,3 +381,18 @@ def test_a_plan_without_room_in_the_offload_folder_is_made_again_without_the_dis
         assert len(_warnings(caplog)) == 1  # warned once
     finally:
         holder.communicate(b"\n", timeout=30)
+
+
+def test_the_disk_probe_writes_no_more_than_an_eighth_of_the_room_others_left(tmp_path):
+    """Ranks sharing a small folder may write activations while another probes it: the probe stays small."""
+    from memrt.memory.offload.bandwidth import _MIN_PROBE_BYTES, _PROBE_BYTES, _probe_size
+
+    assert _probe_size(str(tmp_path), _PROBE_BYTES) == min(_PROBE_BYTES, folder.room_left(tmp_path) // 8)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        free = shutil.disk_usage(tmp_path).free
+        (tmp_path / f"memrt-reserve-{HOST}-{holder.pid}").write_text(str(free - (1 << 20)))
+        assert folder.room_left(tmp_path) <= 2 << 20
+        assert _probe_size(str(tmp_path), _PROBE_BYTES) == _MIN_PROBE_BYTES
+    finally:
+        holder.communicate(b"\n", timeout=30)

@@ -107,7 +107,20 @@ def _fs_key(directory: Path) -> str:
         return str(directory)
 
 
-def _probe_disk(directory: str | None, nbytes: int) -> tuple[float, float, str]:
+_MIN_PROBE_BYTES = 256 * 1024
+
+
+def _probe_size(directory: str, nbytes: int) -> int:
+    """Bytes the disk probe may write in ``directory``: at most an eighth of the room other processes have not
+    reserved (ranks sharing a small folder may be writing activations while this one probes)."""
+    from memrt.memory.offload.folder import room_left
+
+    return int(min(nbytes, max(_MIN_PROBE_BYTES, room_left(directory) // 8)))
+
+
+def _probe_disk(directory: str | None, nbytes: int) -> tuple[float, float, str, int]:
+    if directory is not None:
+        nbytes = _probe_size(directory, nbytes)
     folder = cleanup.make_private_dir(directory)
     try:
         # incompressible bytes from a private generator: the user's RNG streams stay untouched
@@ -138,7 +151,7 @@ def _probe_disk(directory: str | None, nbytes: int) -> tuple[float, float, str]:
                 os.unlink(path)
             writes.append(nbytes / max(t1 - t0, 1e-9))
             reads.append(nbytes / max(t2 - t1, 1e-9))
-        return sorted(writes)[1], sorted(reads)[1], str(folder.parent)  # medians of 3
+        return sorted(writes)[1], sorted(reads)[1], str(folder.parent), nbytes  # medians of 3
     finally:
         cleanup.remove_dir(folder)
 
@@ -166,7 +179,7 @@ def probe_bandwidths(device: str | torch.device = "cpu", directory: str | None =
                      nbytes: int = _PROBE_BYTES) -> Bandwidths:
     """Measure now (no cache): about 0.1-0.5 s on a local disk."""
     device = torch.device(device)
-    w, r, folder = _probe_disk(directory, nbytes)
+    w, r, folder, nbytes = _probe_disk(directory, nbytes)
     d2h = h2d = None
     if device.type == "cuda":
         d2h, h2d = _probe_copies(device, nbytes)

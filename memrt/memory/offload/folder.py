@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from memrt.memory.offload import cleanup
 
-__all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "room_for", "sweep_stale_reservations"]
+__all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "room_for", "room_left", "sweep_stale_reservations"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,23 @@ class FolderCheck:
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_")
+
+
+def room_left(folder: str | os.PathLike) -> int:
+    """Free bytes of ``folder``'s filesystem not reserved by other live processes (0 when unknown)."""
+    import shutil
+
+    folder = Path(folder)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return 0
+    reserved, _ = _reservations(folder)
+    try:
+        mine = int((folder / f"{_RESERVE}{_host()}-{os.getpid()}").read_text().strip())
+    except (OSError, ValueError):
+        mine = 0
+    return max(0, free - (reserved - mine))
 
 
 def sweep_stale_reservations(folder: Path) -> None:
