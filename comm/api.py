@@ -262,15 +262,32 @@ class MemrtWork:
 
 
 class _RecordedWork:
-    """A torch Work that records its CommRecord once, when waited on or when its future completes
-    (DDP's comm hooks only use ``get_future()``), and diagnoses peer failures."""
+    """A torch Work that records its CommRecord when it completes, and diagnoses peer failures.
+
+    The health watchdog sees the collective as in flight from its launch to its completion, whether the
+    caller waits on it (``wait()``) or hands its future on (``get_future()``, as DDP's comm hook does): a
+    frozen peer is reported, and a dead one named, on both paths.
+    """
 
     def __init__(self, work: Any, finish: Callable[[], None], name: str) -> None:
         self._work, self._name = work, name
         self._pending: Callable[[], None] | None = finish
         self._lock = threading.Lock()
+        self._chained: Any = None
+        health = _st.health
+        self._token = health.begin(name) if health is not None else None
+        if self._token is not None:
+            try:
+                work.get_future().add_done_callback(lambda _f: health.end(self._token))
+            except Exception:  # noqa: BLE001 - a Work without a future: wait() ends the span
+                pass
 
-    def _finish(self) -> None:
+    def _end(self) -> None:
+        if self._token is not None and _st.health is not None:
+            _st.health.end(self._token)
+
+    def _finish_once(self) -> None:
+        """Record the call once (it may be both waited on and completed through its future)."""
         with self._lock:
             finish, self._pending = self._pending, None
         if finish is not None:
@@ -280,18 +297,25 @@ class _RecordedWork:
         try:
             ok = self._work.wait(*args, **kw)
         except Exception as exc:  # noqa: BLE001
+            self._end()
             _raise_diagnosed(self._name, exc)
-        self._finish()
+        self._end()
+        self._finish_once()
         return ok
 
-    def get_future(self) -> torch.futures.Future:
-        """The work's future, chained so that the call is recorded when it completes (same value)."""
-        def done(fut: torch.futures.Future) -> Any:
-            value = fut.value()  # raises (and records nothing) when the collective failed
-            self._finish()
-            return value
+    def get_future(self) -> Any:
+        """The work's future, recorded on completion; a failure becomes the diagnosed PeerFailureError."""
+        if self._chained is None:
+            def after(fut: Any) -> Any:
+                try:
+                    value = fut.value()
+                except Exception as exc:  # noqa: BLE001
+                    _raise_diagnosed(self._name, exc)
+                self._finish_once()
+                return value
 
-        return self._work.get_future().then(done)
+            self._chained = self._work.get_future().then(after)
+        return self._chained
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

@@ -5,8 +5,11 @@ rendezvous store once per ``interval_s``. When a collective fails (gloo reports 
 when a peer dies), :meth:`HealthMonitor.diagnose` waits ``stale_s`` and names the ranks whose counter
 stopped without them reporting a failure of their own: the error says "rank 2 is gone". When a
 collective does not fail but stops progressing (a peer is frozen or its host vanished), the watchdog
-in the same thread notices a stale peer while this rank has been inside a collective for longer than
+in the same thread notices a stale peer while this rank has had a collective in flight for longer than
 ``hang_s``, prints the diagnosis and ends the process with exit code 1 (like NCCL's async error handling).
+"In flight" covers every collective memrt runs: a blocking call (:meth:`HealthMonitor.inside`) and an
+async one from its launch to its completion (:meth:`HealthMonitor.begin` / :meth:`~HealthMonitor.end`),
+whether its Work is waited on or its future handed on (DDP's comm hook), so both paths are diagnosed.
 
 Mismatch check (on by default in debug mode: ``MEMRT_LOG_LEVEL=debug`` or ``TORCH_DISTRIBUTED_DEBUG``
 INFO/DETAIL): before a collective, every rank all-gathers a 12-integer signature (op, dtype, shape)
@@ -15,6 +18,7 @@ over a small gloo group and raises :class:`CollectiveMismatchError` listing the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -106,6 +110,7 @@ class HealthMonitor:
         self._count = 0
         self._stop = threading.Event()
         self._inside: dict[int, tuple[str, float]] = {}
+        self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._thread: threading.Thread | None = None
@@ -139,17 +144,29 @@ class HealthMonitor:
                 self.store_lost = True
             self._watchdog()
 
+    def begin(self, name: str) -> int:
+        """Mark collective ``name`` as in flight (for the hang watchdog) until :meth:`end` with the token.
+
+        For collectives no thread waits on (an async Work, a future DDP holds): the span runs from the
+        launch to the completion of the work, whoever waits for it.
+        """
+        token = next(self._tokens)
+        with self._lock:
+            self._inside[-token] = (name, time.monotonic())
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._inside.pop(-token, None)
+
     @contextmanager
     def inside(self, name: str) -> Iterator[None]:
         """Mark this thread as inside collective ``name`` (for the hang watchdog)."""
-        tid = threading.get_ident()
-        with self._lock:
-            self._inside[tid] = (name, time.monotonic())
+        token = self.begin(name)
         try:
             yield
         finally:
-            with self._lock:
-                self._inside.pop(tid, None)
+            self.end(token)
 
     def track(self, name: str, event: Any) -> None:
         """Watch collective ``name`` until ``event`` (a CUDA event after its work) completes: on NCCL the call
@@ -242,9 +259,12 @@ class HealthMonitor:
         install_exit_guard()
         if missing:
             msg = (f"memrt.comm: {op} failed on rank {self.rank}: rank(s) {missing} are gone (no heartbeat for "
-                   f"{self.stale_s:.0f} s); the job cannot continue ({type(exc).__name__}: {exc})")
+                   f"{self.stale_s:.0f} s); the job cannot continue ({type(exc).__name__}: {_first_line(exc)})")
+            # said here too: DDP and other holders of a future re-wrap the exception inside their own traceback
+            print(msg, file=sys.stderr, flush=True)
         else:
-            msg = f"memrt.comm: {op} failed on rank {self.rank}; every peer is still alive ({type(exc).__name__}: {exc})"
+            msg = (f"memrt.comm: {op} failed on rank {self.rank}; every peer is still alive "
+                   f"({type(exc).__name__}: {_first_line(exc)})")
         return PeerFailureError(msg, missing)
 
     def _peer_reports(self) -> list[tuple[int, str]]:
@@ -282,19 +302,38 @@ class HealthMonitor:
                    "unreachable: the process hosting it (rank 0 or the launcher) is gone")
         elif stale:
             missing, failed = self.split_stale(stale)
-            msg = (f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {missing} are gone "
-                   f"(no heartbeat for {self.stale_s:.0f} s)" if missing else
-                   f"memrt.comm: rank {self.rank} stuck in {name} for {self.hang_s:.0f} s: rank(s) {failed} left after "
-                   "a failure")
+            silent = max(time.monotonic() - self._seen[r][1] for r in stale)
+            msg = (f"memrt.comm: rank {self.rank} waited {waited:.0f} s in {name}: rank(s) {missing} stopped "
+                   f"responding (no heartbeat for {silent:.0f} s: frozen, stopped or gone); exiting" if missing else
+                   f"memrt.comm: rank {self.rank} waited {waited:.0f} s in {name}: rank(s) {failed} left after a "
+                   "failure; exiting")
         else:
             return
         print(msg, file=sys.stderr, flush=True)
         if self.exit_on_hang:
             self.mark_failed(f"hang in {name}")
-            os._exit(1)
+            _hard_exit(1)
+
+
+def _hard_exit(code: int) -> None:
+    """``os._exit`` (the main thread may be blocked on a dead peer forever), after removing this process's
+    offload files: atexit does not run. Looked up, not imported: memrt.comm does not depend on memrt.memory."""
+    cleanup = sys.modules.get("memrt.memory.offload.cleanup")
+    if cleanup is not None:
+        try:
+            cleanup.remove_all_own()
+        except Exception:  # noqa: BLE001 - exiting matters more; the next start on this host sweeps them
+            pass
+    os._exit(code)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
 
 
 _guard_installed = False
+_diagnosed = False
 
 
 def install_exit_guard(grace_s: float = 20.0) -> None:
@@ -302,7 +341,8 @@ def install_exit_guard(grace_s: float = 20.0) -> None:
 
     Shutdown joins threads; one blocked on a socket to a dead peer would hold the process forever.
     """
-    global _guard_installed
+    global _guard_installed, _diagnosed
+    _diagnosed = True
     if _guard_installed:
         return
     _guard_installed = True
@@ -310,12 +350,13 @@ def install_exit_guard(grace_s: float = 20.0) -> None:
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
-        if isinstance(exc, PeerFailureError):
+        # a PeerFailureError raised in a future's callback reaches here wrapped (DDP: RuntimeError)
+        if isinstance(exc, PeerFailureError) or _diagnosed:
             def guard() -> None:
                 time.sleep(grace_s)
                 print(f"memrt.comm: shutdown after {exc_type.__name__} hung for {grace_s:.0f} s; exiting",
                       file=sys.stderr, flush=True)
-                os._exit(1)
+                _hard_exit(1)
 
             threading.Thread(target=guard, name="memrt-exit-guard", daemon=True).start()
 

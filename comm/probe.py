@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import logging
+import os
 import socket
 import statistics
 import time
@@ -35,7 +36,8 @@ import torch
 
 from memrt.comm.costmodel import MID_CALL_BYTES, LinkModel, TierLink
 
-__all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "topology_key", "fit_alpha_beta", "clear_memo"]
+__all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "topology_key", "fit_alpha_beta", "clear_memo",
+           "checked_link_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -307,28 +309,62 @@ def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence
     if dist.get_rank(group) == 0 and not force and path.exists():
         try:
             text = path.read_text()
-            LinkModel.from_json(text)
+            checked_link_model(text)
             msg[0] = text
         except Exception as exc:  # a corrupt cache is re-probed, never trusted
-            logger.warning("ignoring unreadable link cache %s (%s); probing again", path, exc)
+            logger.warning("memrt: ignoring the comm link cache %s (%s); measuring again", path, exc)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(msg, src=src, group=group)
     if msg[0] is not None:
-        model = LinkModel.from_json(msg[0])
+        model = checked_link_model(msg[0])
         _MEMO[key] = model
         return model, False
     model = probe_links(nodes, group=group, key=key, topology=topology, groups=groups)
     _MEMO[key] = model
     if dist.get_rank(group) == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # private like the reports: folders this creates 0700, the file 0600
+            from memrt.profiling.recorder import make_private_dir
+
+            make_private_dir(path.parent)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(model.to_json())
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(model.to_json())
             tmp.replace(path)
         except OSError as exc:
             logger.warning("could not cache the link model at %s (%s): the next run probes again; "
                            "set MEMRT_REPORT_DIR to a writable directory", path, exc)
     return model, True
+
+
+def checked_link_model(text: str) -> LinkModel:
+    """A cached link model, every figure checked (a finite number of the right sign): ValueError otherwise."""
+    import math
+
+    def num(v: object, what: str, low: float | None = 0.0) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                (low is not None and v < low):
+            raise ValueError(f"{what}={v!r} is not a finite number" + (f" >= {low:g}" if low is not None else ""))
+
+    try:
+        model = LinkModel.from_json(text)
+    except (TypeError, KeyError, AttributeError) as exc:  # a missing field, or one of the wrong kind
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+    for tier in ("intra", "inter"):
+        link = getattr(model, tier)
+        if link is None and tier == "inter":
+            continue
+        if link.shared_beta_s_per_byte is not None:
+            num(link.shared_beta_s_per_byte, f"{tier}.shared_beta_s_per_byte")
+    num(model.gamma_s_per_byte, "gamma_s_per_byte")
+    num(model.probe_seconds, "probe_seconds")
+    for name, low in (("codec_s_per_byte", 0.0), ("call_overhead_s", None), ("mid_overhead_s", None),
+                      ("efficiency", 1e-9)):
+        table = getattr(model, name)
+        if not isinstance(table, dict):
+            raise ValueError(f"{name}={table!r} is not an object")
+        for k, v in table.items():
+            num(v, f"{name}[{k!r}]", low)
+    return model
 
 
 def attach_links(topology, *, groups=None, cache_dir: str | Path | None = None):

@@ -1,8 +1,11 @@
 """Shared-memory intra-node tier for CPU tensors: copies through /dev/shm instead of loopback TCP.
 
 Each member of a node owns two slabs (double buffering by operation parity) mapped by every member
-(``torch.from_file(..., shared=True)``); files are unlinked as soon as everyone mapped them, so
-nothing is left behind even after a crash. An operation is: write my input into my slab, one
+(``torch.from_file(..., shared=True)``); files are unlinked as soon as everyone mapped them, so a crash
+after that leaves nothing behind. Slabs hold gradients in clear: each is created with mode 0600 (not
+under the process umask) and ``O_EXCL``, named ``memrt-shm-<host>-<pid>-<token>-...`` after its creator,
+so that a slab of a process that died before unlinking it (killed while slabs grew) is removed by the
+survivors of that growth and, failing that, by the next memrt process on the host whose creator is gone. An operation is: write my input into my slab, one
 barrier on a small gloo group, read what I need from the peers' slabs. One barrier per operation is
 enough: a member writes slab ``p`` again only two operations later, after a barrier that every
 member entered only once done reading it.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,15 +28,67 @@ import torch
 
 from memrt.comm.tiers import DONE, combine, combine_
 
-__all__ = ["ShmTier", "shm_available"]
+__all__ = ["ShmTier", "shm_available", "sweep_stale_slabs"]
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 
 
+_PREFIX = "memrt-shm-"
+
+
 def shm_available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_slabs(directory: Path = SHM_DIR) -> int:
+    """Remove this host's slabs whose creating process is gone; returns how many (other hosts' are kept)."""
+    prefix = f"{_PREFIX}{_host()}-"
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            os.unlink(directory / name)
+            removed += 1
+        except OSError:  # another user's file, or removed meanwhile
+            pass
+    if removed:
+        logger.info("removed %d shared-memory slab(s) of dead processes from %s", removed, directory)
+    return removed
+
+
+def _create_private(path: Path, nbytes: int) -> torch.Tensor:
+    """A new file of ``nbytes`` with mode 0600 whatever the umask, mapped shared."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
 class ShmTier:
@@ -45,9 +101,15 @@ class ShmTier:
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(my_rank)
+        if self.rank == 0:
+            sweep_stale_slabs()
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=self.ranks[0], group=pg)
         self._token = token[0]
+        pids: list[Any] = [None] * self.size
+        dist.all_gather_object(pids, os.getpid(), group=pg)
+        host = _host()
+        self._stems = [f"{_PREFIX}{host}-{pid}-{self._token}-{m}" for m, pid in enumerate(pids)]
         self._cap = 0
         self._gen = 0
         self._ops = 0
@@ -65,22 +127,24 @@ class ShmTier:
         cap = max(nbytes, 2 * self._cap, 1 << 20)
         cap = -(-cap // 4096) * 4096
         self._gen += 1
-        names = [[SHM_DIR / f"memrt-{self._token}-{m}-{self._gen}-{p}" for m in range(self.size)] for p in range(2)]
-        mine = []
-        for p in range(2):
-            path = names[p][self.rank]
-            mine.append(torch.from_file(str(path), shared=True, size=cap, dtype=torch.uint8))
-        self._barrier()  # every slab exists
+        names = [[SHM_DIR / f"{self._stems[m]}-{self._gen}-{p}" for m in range(self.size)] for p in range(2)]
         bufs: list[list[torch.Tensor]] = [[], []]
+        ok = False
         try:
+            mine = [_create_private(names[p][self.rank], cap) for p in range(2)]
+            self._barrier()  # every slab exists
             for p in range(2):
                 for m in range(self.size):
                     bufs[p].append(mine[p] if m == self.rank else
                                    torch.from_file(str(names[p][m]), shared=True, size=cap, dtype=torch.uint8))
-        finally:
             self._barrier()  # every slab mapped by everyone: the names can go
+            ok = True
+        finally:
+            # normally each member unlinks its own; after a failure (a member died mid-growth) the survivors
+            # remove every member's, the dead one's included
             for p in range(2):
-                names[p][self.rank].unlink(missing_ok=True)
+                for m in ((self.rank,) if ok else range(self.size)):
+                    names[p][m].unlink(missing_ok=True)
         self._bufs, self._cap = bufs, cap
 
     def _slab(self, t: torch.Tensor, need_bytes: int | None = None, skip: tuple[int, int] = (0, 0)) -> int:

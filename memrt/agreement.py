@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -120,7 +121,33 @@ def decide(entries: dict[int, dict[str, Any]], world_size: int, waited_s: float)
                          "init_process_group (MEMRT unset or off there)")
         if len(parts) > 1:
             differences.append(f"{var}: " + ", ".join(parts))
-    return {"errors": {str(r): m for r, m in errors.items()}, "differences": differences, "missing": missing}
+    notes = _notes(entries, world_size) if not (errors or differences or missing) else []
+    return {"errors": {str(r): m for r, m in errors.items()}, "differences": differences, "missing": missing,
+            "notes": notes}
+
+
+def _notes(entries: dict[int, dict[str, Any]], world_size: int) -> list[str]:
+    """Agreed settings that cannot do anything in this job's shape (one line each, naming the setting)."""
+    values = entries[0].get("values", {}) if 0 in entries else {}
+    codec = values.get("MEMRT_COMPRESS")
+    if codec in (None, "none") or values.get("MEMRT_COMM") == "off":
+        return []
+    if values.get("MEMRT_TOPOLOGY") not in (None, "", "unset"):
+        sizes = [len(node.split(",")) for node in str(values["MEMRT_TOPOLOGY"]).split(";")]
+    else:
+        nodes: dict[str, int] = {}
+        for r in range(world_size):
+            key = entries[r].get("node") or entries[r].get("host") or f"rank{r}"
+            nodes[key] = nodes.get(key, 0) + 1
+        sizes = list(nodes.values())
+    if len(sizes) == 1:
+        why = "every rank is on one node, so there is no inter-node hop to compress"
+    elif max(sizes) == 1:
+        why = ("every node has one rank, so memrt's all-reduce stays flat (the hierarchical one, whose "
+               "inter-node hop is what gets compressed, needs several ranks on a node)")
+    else:
+        return []
+    return [f"MEMRT_COMPRESS={codec} does nothing in this job: {why}; gradients are all-reduced exactly"]
 
 
 def rank_message(verdict: dict[str, Any], rank: int) -> str | None:
@@ -139,7 +166,17 @@ def rank_message(verdict: dict[str, Any], rank: int) -> str | None:
 
 def _entry(config: MemrtConfig, local_error: BaseException | str | None) -> dict[str, Any]:
     return {"values": config.agreed(), "sources": {v: config.sources.get(v, "default") for v in AGREED_VARIABLES},
-            "error": None if local_error is None else str(local_error), "host": socket.gethostname()}
+            "error": None if local_error is None else str(local_error), "host": socket.gethostname(),
+            "node": _node_identity()}
+
+
+def _node_identity() -> str:
+    """Host name plus network namespace, as memrt.comm's topology discovery groups ranks into nodes."""
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}|{netns}"
 
 
 def _connects_at_init(backend: str, pg: Any) -> bool:
@@ -218,6 +255,9 @@ def check(config: MemrtConfig, *, local_error: BaseException | str | None = None
     message = rank_message(verdict, rank)
     if message is not None:
         raise AgreementError(message)
+    if rank == 0:
+        for note in verdict.get("notes", []):
+            logger.warning("memrt: %s", note)
 
 
 def _exchange(store: Any, gen: str, rank: int, world: int, mine: dict[str, Any], wait_s: float,

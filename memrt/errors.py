@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AgreementError", "ConfigError", "BudgetError", "MemrtError"]
+__all__ = ["AgreementError", "ConfigError", "BudgetError", "MemrtError", "note_degraded", "degraded"]
 
 
 class MemrtError(RuntimeError):
@@ -47,3 +47,17 @@ class BudgetError(MemrtError):
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)
+
+
+_DEGRADED: list[str] = []
+
+
+def note_degraded(what: str) -> None:
+    """Record that this process could not do what a setting asked and carried on without it (one line:
+    the setting and why); the run summary counts these as failures."""
+    _DEGRADED.append(what)
+
+
+def degraded() -> list[str]:
+    """What :func:`note_degraded` recorded in this process."""
+    return list(_DEGRADED)

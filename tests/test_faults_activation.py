@@ -179,3 +179,17 @@ def test_mismatch_under_mpiexec_where_rank_0_hosts_the_store(tmp_path, baseline)
     assert "Traceback" not in proc.stderr and seconds <= baseline + AGREE_BOUND_S
     assert leftovers(tmp_path, allowed=("tmp",)) == []
     record_time("mismatch-under-mpiexec", seconds)
+
+
+def test_settings_that_cannot_apply_here_say_why_and_the_job_trains(tmp_path):
+    """MEMRT_COMPRESS with every rank on one node (no inter-node hop): one line on rank 0 after the agreement;
+    MEMRT_OFFLOAD=host without CUDA: one line per rank when the plan is made (was: silently nothing / recompute)."""
+    run = torchrun(tmp_path, EXAMPLE, "--steps", "3", "--batch", "512", MEMRT="1", MEMRT_COMPRESS="int8",
+                   MEMRT_OFFLOAD="host", MEMRT_BUDGET="5.5MB")
+    assert run.rc == 0 and run.errors() == [] and run.tracebacks() == 0, run.out[-4000:]
+    compress = [l for l in run.out.splitlines() if "MEMRT_COMPRESS=int8 does nothing in this job" in l]
+    assert len(compress) == 1 and "every rank is on one node" in compress[0], run.out[-3000:]
+    host = [l for l in run.out.splitlines() if l.startswith("memrt: MEMRT_OFFLOAD=host: the host tier needs a CUDA")]
+    assert len(host) == 2, run.out[-3000:]
+    assert "step 2 loss" in run.out
+    assert leftovers(tmp_path, allowed=("wrap.sh", "tmp", "memrt-report")) == []

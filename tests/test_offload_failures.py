@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -114,17 +115,58 @@ def test_disk_full_mid_run_is_a_clear_error_and_leaves_nothing(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-def test_stale_folders_of_dead_processes_are_swept(tmp_path):
+def _dead_pid() -> int:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
-    stale = tmp_path / f"memrt-offload-{dead.pid}-abc"
+    return dead.pid
+
+
+def test_stale_folders_of_dead_processes_of_this_host_only_are_swept(tmp_path):
+    host = socket.gethostname().replace("-", "_")
+    pid = _dead_pid()
+    stale = tmp_path / f"memrt-offload-{host}-{pid}-abc"
     stale.mkdir()
     (stale / "unit0-1.bin").write_bytes(b"x" * 10)
-    alive = tmp_path / f"memrt-offload-{os.getpid()}-keep"
-    alive.mkdir()
-    with OffloadEngine("disk", directory=tmp_path):
-        assert not stale.exists() and alive.exists()
-    alive.rmdir()
+    alive = tmp_path / f"memrt-offload-{host}-{os.getpid()}-keep"
+    other_host = tmp_path / f"memrt-offload-elsewhere_node7-{pid}-abc"  # same pid, another host: never ours
+    unnamed = tmp_path / f"memrt-offload-{pid}-abc"  # no host in the name: cannot be known to be ours
+    for d in (alive, other_host, unnamed):
+        d.mkdir()
+    with OffloadEngine("disk", directory=tmp_path) as engine:
+        assert engine.directory.name.startswith(f"memrt-offload-{host}-{os.getpid()}-")
+        assert not stale.exists() and alive.exists() and other_host.exists() and unnamed.exists()
+    for d in (alive, other_host, unnamed):
+        d.rmdir()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_leftovers_in_the_default_temp_dir_are_swept_at_the_next_start(tmp_path):
+    """A process killed with its offload folder in the temp dir (MEMRT_OFFLOAD_DIR unset): the next one sweeps it."""
+    child = textwrap.dedent("""
+        import os, sys, time, torch
+        from memrt.memory.offload import OffloadEngine
+        engine = OffloadEngine("disk")
+        x = torch.randn(256, 1024, requires_grad=True)
+        with engine.pack_hooks(0):
+            y = (x * 2).sin()
+        engine._tier.wait_written(None)
+        print(engine.directory, flush=True)
+        time.sleep(600)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRT")}
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        folder = Path(proc.stdout.readline().strip())
+        assert folder.parent == tmp_path and folder.is_dir()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert folder.exists()  # SIGKILL: no handler ran
+    code = "from memrt.memory.offload import OffloadEngine\nwith OffloadEngine('disk') as e: pass"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert not folder.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 _CHILD = textwrap.dedent("""
@@ -165,7 +207,7 @@ def test_sigterm_mid_step_leaves_no_offload_files(tmp_path):
             proc.kill()
             proc.wait(timeout=30)
     assert rc == -signal.SIGTERM  # default action preserved after cleanup
-    assert list(spill.iterdir()) == []
+    assert not spill.exists()  # memrt created the folder (0700): it goes too
 
 
 def test_forked_child_does_not_remove_parent_folders(tmp_path):

@@ -19,7 +19,7 @@ from memrt.config import MemrtConfig, budget_capacity_error
 from memrt.errors import ConfigError
 
 __all__ = ["planning_device", "budget_error", "folder_problem", "report_dir_error", "default_report_problem",
-           "startup_errors"]
+           "startup_errors", "sweep_leftovers"]
 
 
 def planning_device(local_rank: int = 0) -> tuple[str, int | None]:
@@ -84,3 +84,29 @@ def startup_errors(config: MemrtConfig, local_rank: int = 0) -> list[ConfigError
     """Every machine-dependent problem of ``config`` on this rank (empty when none)."""
     errors = [report_dir_error(config), budget_error(config, local_rank)]
     return [e for e in errors if e is not None]
+
+
+def sweep_leftovers(config: MemrtConfig) -> None:
+    """Remove what dead memrt processes of this host left (a SIGKILL runs no clean-up): offload folders and
+    reservations in the temp dir and in MEMRT_OFFLOAD_DIR, shared-memory slabs. Other hosts' are kept."""
+    import logging
+
+    try:
+        from memrt.memory.offload.cleanup import sweep_stale_dirs
+        from memrt.memory.offload.folder import sweep_stale_reservations
+
+        for parent in {tempfile.gettempdir(), config.offload_dir or tempfile.gettempdir()}:
+            sweep_stale_dirs(parent)
+            sweep_stale_reservations(Path(parent))
+    except ImportError:  # memrt.memory not installed
+        pass
+    except Exception:  # noqa: BLE001 - sweeping is a courtesy, never a reason to stop
+        logging.getLogger(__name__).debug("sweeping offload leftovers failed", exc_info=True)
+    try:
+        from memrt.comm.shm import sweep_stale_slabs
+
+        sweep_stale_slabs()
+    except ImportError:
+        pass
+    except Exception:  # noqa: BLE001
+        logging.getLogger(__name__).debug("sweeping shared-memory slabs failed", exc_info=True)

@@ -76,8 +76,9 @@ def begin(config: MemrtConfig) -> Session:
                    run_id=run_id, report_dir=_session.report_dir_for(config, run_id), backend=backend,
                    store=store)
     _session.set_current(sess)
-    from memrt.activation.checks import default_report_problem
+    from memrt.activation.checks import default_report_problem, sweep_leftovers
 
+    sweep_leftovers(config)  # what processes of this host killed with SIGKILL left (offload folders, slabs)
     sess.report_problem = default_report_problem(config)
     if sess.report_problem is not None:
         logger.warning("memrt: rank %d will write no report at exit: %s; set MEMRT_REPORT_DIR to a folder memrt "
@@ -160,7 +161,14 @@ def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) ->
     return {"rank": sess.rank, "budget": str(sess.config.budget) if sess.config.budget else None,
             "budget_bytes": budget, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted,
             "actions": dict(actions), "comm_calls": len(comm), "tier_bytes": dict(tiers),
-            "comm_hooks": sess.comm_hooks, "failures": len(sess.failures)}
+            "comm_hooks": sess.comm_hooks, "failures": len(_failures(sess))}
+
+
+def _failures(sess: Session) -> list[str]:
+    """memrt's failures in this process and the settings it could not honour (memrt.errors.note_degraded)."""
+    from memrt.errors import degraded
+
+    return list(sess.failures) + degraded()
 
 
 def _fmt(n: Any) -> str:
@@ -218,7 +226,7 @@ def at_exit() -> None:
             "launcher": sess.launch.launcher, "backend": sess.backend,
             "nodes": [list(n) for n in sess.nodes] if sess.nodes else None, "nodes_source": sess.nodes_source,
             "config": sess.config.effective(), "models": sess.models, "plans": plans,
-            "comm_hooks": sess.comm_hooks, "failures": sess.failures, "device": device,
+            "comm_hooks": sess.comm_hooks, "failures": _failures(sess), "device": device,
             "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
             "balance": sess.balance.report() if sess.balance is not None else None,
         })

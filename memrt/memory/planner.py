@@ -306,15 +306,17 @@ def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: O
         except ImportError:
             logger.info("memrt.memory.offload not available: planning keep/recompute only")
         else:
-            if bandwidths is None:
+            from memrt.memory.offload.folder import usable_tiers  # host needs CUDA, disk a usable folder
+
+            tiers = usable_tiers(profile, offload, profile.device)
+            if bandwidths is None and tiers:
                 try:
                     from memrt.memory.offload import load_bandwidths
 
                     bandwidths = load_bandwidths(profile.device)
                 except Exception as exc:  # noqa: BLE001 - a failed probe only removes offload options
                     logger.warning("offload bandwidth probe failed (%s): planning keep/recompute only", exc)
-            if bandwidths is not None:
-                tiers = None if offload == "auto" else (offload,)
+            if bandwidths is not None and tiers:
 
                 def offload_fn(u: UnitProfile) -> Sequence[UnitOption]:
                     return offload_options(u, bandwidths, profile.device, tiers=tiers)
@@ -392,7 +394,14 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
         units.append(UnitPlan(name=u.name, call=u.call, action=o.action, bytes_kept=int(o.resident_bytes),
                               bytes_freed=int(max(0, u.saved_bytes - o.resident_bytes)), bytes_moved=int(moved),
                               added_seconds=float(o.added_seconds)))
-    return Plan(units=units, budget_bytes=None if budget is None else int(budget), predicted_peak_bytes=_peak(m, pick),
-                keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
-                planning_seconds=time.perf_counter() - t0, structure=profile.structure,
-                signature=profile.signature, device=profile.device)
+    result = Plan(units=units, budget_bytes=None if budget is None else int(budget), predicted_peak_bytes=_peak(m, pick),
+                  keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
+                  planning_seconds=time.perf_counter() - t0, structure=profile.structure,
+                  signature=profile.signature, device=profile.device)
+    if any(u.action.endswith("offload_disk") for u in units):
+        from memrt.memory.offload.folder import room_for  # no room in the offload folder: plan without disk
+
+        if not room_for(result):
+            return plan(profile, budget, margin_bytes=margin_bytes, offload=offload, bandwidths=bandwidths,
+                        extra_options=extra_options, resolution=resolution)
+    return result
