@@ -98,6 +98,9 @@ class Plan:
     planning_seconds: float = 0.0
     tries: int = 1
     """Plans made for this key (re-plans after an overshoot count)."""
+    shape_scale: float = 1.0
+    """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
+    shape of its shape bucket (1.0: planned for the profiled shape)."""
     structure: str = ""
     signature: str = ""
     device: str = "cpu"
