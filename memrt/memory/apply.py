@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from memrt.memory.recompute import run_recomputed
-from memrt.memory.units import find_units
+from memrt.memory.units import expect_module, find_units
 
 __all__ = ["ActionHandler", "ApplyHandle", "Instrumentation", "apply", "register_action", "registered_actions"]
 
@@ -316,6 +316,12 @@ _HANDLES: "weakref.WeakKeyDictionary[nn.Module, ApplyHandle]" = weakref.WeakKeyD
 
 def apply(model: nn.Module, plan: Any, *, units: Sequence[str] | None = None, offload_dir: str | None = None) -> nn.Module:
     """Put ``plan`` in force on ``model`` (same object returned); :func:`memrt.disable` removes it."""
+    from memrt.memory.planner import Plan
+
+    expect_module("memrt.apply", model)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"memrt.apply expects a memrt.Plan (from memrt.plan or memrt.plan_of) or None, "
+                        f"got {type(plan).__name__}")
     old = _HANDLES.pop(model, None)
     if old is not None:
         old.remove()

@@ -37,7 +37,7 @@ from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, mak
                                 owns_parameters, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan
 from memrt.memory.profile import Profile, ProfileSession, model_device
-from memrt.memory.units import find_units, structure_key
+from memrt.memory.units import expect_module, find_units, structure_key
 
 __all__ = ["auto", "plan_of", "disable", "MAX_TRIES"]
 
@@ -76,6 +76,10 @@ class _State:
         """Profiles of exact shapes made before the shapes varied, by their bucket's signature."""
         self.backward_seen: bool | None = False
         """Whether backward reached the current step's output (None: the output has no tensor to watch)."""
+        self.no_backward: dict[str, None] = {}
+        """Keys of profiled forwards that got no backward (evaluation shapes), oldest first, at most 16."""
+        self.last_key: str | None = None
+        """The key of the last training step."""
         self._bwd_hook: Any = None
         self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step,
                                   on_other=self._on_other, on_output=self._on_output)
@@ -90,8 +94,11 @@ class _State:
         if key == self.key and self.entry is not None:
             self._maybe_measure((args, kwargs))
             return
+        found = self.cache.get(key)
+        if found is None and key in self.no_backward:  # an evaluation shape: the plan in force serves it
+            return
         self.key, self.signature = key, sig
-        self.entry = self.cache.get(key)
+        self.entry = found
         if self.entry is not None:
             self.handle.set_plan(self.entry.plan)
             self._maybe_measure((args, kwargs), switched=not self.varying)
@@ -174,8 +181,9 @@ class _State:
             self.handle._override = None
             profile = session.end(next_inputs)
             if not self._step_was_training():  # no backward: nothing learned, profile the next step
-                self.key, self.entry = None, None
+                self._not_a_step()
                 return
+            self.no_backward.pop(self.key, None)
             scale = 1.0
             if self.varying:
                 scale = shape_scale(self.shapes, bucket_shapes(self.shapes))
@@ -194,8 +202,22 @@ class _State:
             self._note_shapes()
             self._certify(measured)
 
+    def _not_a_step(self) -> None:
+        """The profiled forward got no backward: remember its key (later forwards of that signature run
+        under the plan in force until one of them is a training step) and profile the next step."""
+        if self.key is not None:
+            self.no_backward[self.key] = None
+            while len(self.no_backward) > 16:
+                self.no_backward.pop(next(iter(self.no_backward)))
+        self.key, self.entry = None, None
+        previous = self.cache.get(self.last_key) if self.last_key is not None else None
+        if previous is not None:  # back to the plan of the last training step
+            self.key, self.entry = self.last_key, previous
+            self.handle.set_plan(previous.plan)
+
     def _note_shapes(self) -> None:
         """A training step ran with ``self.shapes``: the first different shapes switch to shape buckets."""
+        self.last_key = self.key
         if self.trained_shapes is None:
             self.trained_shapes = list(self.shapes)
         elif not self.varying and self.shapes != self.trained_shapes:
@@ -325,8 +347,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     limit). ``units``: class names of the units (default: repeated blocks). ``offload``: none|auto|disk|host
     (default MEMRT_OFFLOAD). ``cache_dir``: also keep plans on disk there; ``cache``: a :class:`PlanCache`.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"memrt.auto expects a torch.nn.Module, got {type(model).__name__}")
+    expect_module("memrt.auto", model)
     cfg = config if config is not None else load_config(warn_unknown=False)
     disable(model)
     watch_optimizers()
@@ -342,7 +363,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
 
 def plan_of(model: nn.Module) -> Plan | None:
     """The plan in force on ``model`` (None before the first plan or without memrt)."""
-    st = _STATES.get(model)
+    st = _STATES.get(expect_module("memrt.plan_of", model))
     if st is not None:
         return st.entry.plan if st.entry is not None else None
     from memrt.memory.apply import _HANDLES
@@ -353,7 +374,7 @@ def plan_of(model: nn.Module) -> Plan | None:
 
 def disable(model: nn.Module) -> nn.Module:
     """Remove every hook memrt installed on ``model`` (auto or apply); the model is as before."""
-    st = _STATES.pop(model, None)
+    st = _STATES.pop(expect_module("memrt.disable", model), None)
     if st is not None:
         st.close()
     from memrt.memory.apply import remove

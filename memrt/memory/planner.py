@@ -335,9 +335,16 @@ def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: O
     return fn
 
 
+def _expect_profile(api: str, profile: Any) -> None:
+    if not isinstance(profile, Profile):
+        raise TypeError(f"{api} expects a memrt.Profile (from memrt.profile, or Profile.from_json), "
+                        f"got {type(profile).__name__}")
+
+
 def min_feasible_budget(profile: Profile, *, offload: str | None = None, bandwidths: Any = None,
                         extra_options: OptionsFn | None = None, resolution: int = 2048) -> int:
     """The smallest budget (bytes) under which some plan fits, by the memory model."""
+    _expect_profile("memrt.memory.min_feasible_budget", profile)
     m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options))
     res = _solve(m, None, "peak", resolution)
     assert res is not None
@@ -360,6 +367,7 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
     Raises :class:`memrt.BudgetError` with the smallest feasible budget when none fits.
     """
     t0 = time.perf_counter()
+    _expect_profile("memrt.plan", profile)
     if isinstance(budget, str):
         from memrt.config import parse_budget
 
