@@ -249,3 +249,26 @@ def test_api_on_objects_memrt_does_not_plan(call):
         memrt.apply(model, {"units": []})
     assert memrt.plan_of(model) is None  # a module memrt never saw has no plan
     assert memrt.disable(model) is model
+
+
+def test_eval_forward_of_the_training_shape_before_training_does_not_stop_planning():
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    watch_optimizers()
+    memrt.auto(model, 10**9, offload="none", cache=PlanCache())
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = gpt_batch(GPT_CFG, 16, seed=0)
+        for _ in range(2):  # validation loss at the training shape, grad enabled, never backwarded
+            lm_loss(model(x), y).item()
+        assert memrt.plan_of(model) is None
+        for s in range(3):
+            opt.zero_grad()
+            x, y = gpt_batch(GPT_CFG, 16, seed=s)
+            lm_loss(model(x), y).backward()
+            opt.step()
+        model(x).sum().backward()  # closes the measured step
+        plan = memrt.plan_of(model)
+        assert plan is not None and plan.measured_peak_bytes is not None
+    finally:
+        memrt.disable(model)

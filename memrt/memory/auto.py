@@ -77,8 +77,12 @@ class _State:
         self.backward_seen: bool | None = False
         """Whether backward reached the current step's output (None: the output has no tensor to watch)."""
         self.no_backward: dict[str, None] = {}
-        """Keys of profiled forwards that got no backward (evaluation shapes), oldest first, at most 16."""
+        """Signatures of profiled forwards that got no backward (evaluation shapes), oldest first, at most 16."""
         self.last_key: str | None = None
+        self.watching: str | None = None
+        """The signature of this forward when it is an evaluation shape (its backward is watched)."""
+        self.provisional = False
+        """Whether this forward switched to shape buckets (undone if it gets no backward)."""
         """The key of the last training step."""
         self._bwd_hook: Any = None
         self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step,
@@ -89,19 +93,28 @@ class _State:
         self.step += 1
         self._close_previous(_flat_tensors((args, kwargs)))
         self.shapes = input_shapes(args, kwargs)
+        exact = signature_of(self.shapes)
+        if exact in self.no_backward:  # an evaluation shape: the plan in force serves it; watch for a backward
+            self.watching = exact
+            self.backward_seen = False
+            return
+        provisional = False
+        if not self.varying and self.trained_shapes is not None and self.shapes != self.trained_shapes:
+            # new shapes: buckets from now on, confirmed when this forward turns out to be a training step
+            self.varying = provisional = True
         sig = signature_of(bucket_shapes(self.shapes) if self.varying else self.shapes)
         key = cache_key(self.structure, sig, self.dtype, str(self.device), self.budget, self.offload)
         if key == self.key and self.entry is not None:
-            self._maybe_measure((args, kwargs))
+            self.provisional = provisional
+            self._maybe_measure((args, kwargs), switched=provisional)
             return
         found = self.cache.get(key)
-        if found is None and key in self.no_backward:  # an evaluation shape: the plan in force serves it
-            return
+        self.provisional = provisional
         self.key, self.signature = key, sig
         self.entry = found
         if self.entry is not None:
             self.handle.set_plan(self.entry.plan)
-            self._maybe_measure((args, kwargs), switched=not self.varying)
+            self._maybe_measure((args, kwargs), switched=not self.varying or provisional)
             return
         if self.budget is None:  # no limit: plan for speed, nothing to profile
             entry = CacheEntry(plan=Plan(budget_bytes=None, structure=self.structure, signature=sig,
@@ -146,7 +159,7 @@ class _State:
     def _on_output(self, output: Any) -> None:
         """Watch the training forward's output: a step whose output gets no gradient before the next
         forward (a validation loss computed with grad enabled) is not a training step."""
-        if (self.session is None and self.meter is None) or self._bwd_hook is not None:
+        if (self.session is None and self.meter is None and self.watching is None) or self._bwd_hook is not None:
             return
         outs = [t for t in _output_tensors(output) if t.requires_grad]
         if not outs:
@@ -176,6 +189,11 @@ class _State:
         return seen
 
     def _close_previous(self, next_inputs: Sequence[torch.Tensor] = ()) -> None:
+        if self.watching is not None:
+            watched, self.watching = self.watching, None
+            if self._step_was_training():  # that shape trains after all: plan it from its next step
+                self.no_backward.pop(watched, None)
+            return
         if self.session is not None:
             session, self.session = self.session, None
             self.handle._override = None
@@ -183,11 +201,11 @@ class _State:
             if not self._step_was_training():  # no backward: nothing learned, profile the next step
                 self._not_a_step()
                 return
-            self.no_backward.pop(self.key, None)
+            self.no_backward.pop(signature_of(self.shapes), None)
             scale = 1.0
             if self.varying:
                 scale = shape_scale(self.shapes, bucket_shapes(self.shapes))
-            else:
+            else:  # the shapes may vary later: this profile then serves its bucket
                 self.seeds[signature_of(bucket_shapes(self.shapes))] = (profile, list(self.shapes))
             self._note_shapes()
             self._make_plan(profile, margin=0, tries=1, scale=scale)
@@ -198,15 +216,21 @@ class _State:
             meter.mark("step_end", "certify")
             meter.stop()
             if not self._step_was_training():  # no backward: measure the next step instead
+                self._not_a_step(profiled=False)
                 return
             self._note_shapes()
             self._certify(measured)
 
-    def _not_a_step(self) -> None:
-        """The profiled forward got no backward: remember its key (later forwards of that signature run
-        under the plan in force until one of them is a training step) and profile the next step."""
-        if self.key is not None:
-            self.no_backward[self.key] = None
+    def _not_a_step(self, *, profiled: bool = True) -> None:
+        """The forward got no backward. Shapes it made look varying do not count. Profiled: remember its
+        key (later forwards of that signature run under the plan in force until one of them is a training
+        step) and profile the next step."""
+        if self.provisional:
+            self.varying = self.provisional = False
+        if not profiled:
+            return
+        if self.shapes:
+            self.no_backward[signature_of(self.shapes)] = None
             while len(self.no_backward) > 16:
                 self.no_backward.pop(next(iter(self.no_backward)))
         self.key, self.entry = None, None
@@ -220,8 +244,8 @@ class _State:
         self.last_key = self.key
         if self.trained_shapes is None:
             self.trained_shapes = list(self.shapes)
-        elif not self.varying and self.shapes != self.trained_shapes:
-            self.varying = True
+        elif self.provisional:
+            self.provisional = False
             logger.warning("memrt: input shapes vary between training steps (%s, then %s): planning per shape "
                            "bucket (every dimension rounded up to a power of two), each bucket profiled once",
                            signature_of(self.trained_shapes), signature_of(self.shapes))
