@@ -123,6 +123,7 @@ class _State:
             self.cache.put(key, entry)
             self.entry = entry
             self.handle.set_plan(entry.plan)
+            self._maybe_measure((args, kwargs))
             return
         seed = self.seeds.get(sig) if self.varying else None
         if seed is not None:  # this bucket's shape was profiled before the shapes varied
@@ -142,7 +143,11 @@ class _State:
         it from another shape (fixed shapes), and once shapes vary, every step with a dimension larger
         than those measured under it."""
         entry = self.entry
-        if self.budget is None or self.meter is not None or entry is None:
+        if self.meter is not None or entry is None:
+            return
+        if self.budget is None:  # no limit: record the memory timeline of one step per key, from the second
+            if entry.measured_shapes is None and self.step >= 2:
+                self._start_measure(inputs)
             return
         if switched or grows(self.shapes, entry.measured_shapes):
             self._start_measure(inputs)
@@ -298,8 +303,6 @@ class _State:
                         scale=p.shape_scale)
 
     def _start_measure(self, inputs: Any) -> None:
-        if self.budget is None:
-            return
         self.backward_seen = False
         self.meter = make_meter(self.device)
         self.meter.start(known_tensors(self._model(), _flat_tensors(inputs)))
