@@ -34,7 +34,7 @@ from memrt.memory.buckets import (Shape, bucket_shapes, grows, input_shapes, sca
                                   widen)
 from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
 from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, make_meter, on_optimizer_step,
-                                owns_parameters, watch_optimizers)
+                                owns_parameters, resident_bytes, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan
 from memrt.memory.profile import Profile, ProfileSession, model_device
 from memrt.memory.units import expect_module, find_units, structure_key
@@ -85,6 +85,10 @@ class _State:
         """Whether this forward switched to shape buckets (undone if it gets no backward)."""
         """The key of the last training step."""
         self._bwd_hook: Any = None
+        self.rss0 = resident_bytes() if self.device.type == "cpu" else None
+        self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                          for t in list(model.parameters()) + list(model.buffers())}.values())
+        self.warned_untracked = False
         self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step,
                                   on_other=self._on_other, on_output=self._on_output)
 
@@ -219,12 +223,33 @@ class _State:
             meter, self.meter = self.meter, None
             measured = meter.peak
             meter.mark("step_end", "certify")
+            live = meter.live()
             meter.stop()
             if not self._step_was_training():  # no backward: measure the next step instead
                 self._not_a_step(profiled=False)
                 return
             self._note_shapes()
+            self._note_untracked(live)
             self._certify(measured)
+
+    def _note_untracked(self, live: int) -> None:
+        """CPU: how much more resident memory the process gained since ``auto`` than its tensors did;
+        one warning when that is over a twentieth of the budget (an outside peak would show it)."""
+        if self.rss0 is None or self.entry is None:
+            return
+        rss = resident_bytes()
+        if rss is None:
+            return
+        untracked = max(0, (rss - self.rss0) - (live - self.live0))
+        self.entry.plan.untracked_bytes = untracked
+        if self.budget is not None and untracked > self.budget // 20 and not self.warned_untracked:
+            self.warned_untracked = True
+            logger.warning("memrt: this process's resident memory grew %.1f MiB more than the tensors memrt counts "
+                           "for the step since memrt.auto (code and allocator memory of the first steps, buffers "
+                           "outside torch, other objects the script made): "
+                           "a peak RSS growth measured from outside exceeds the step's tensor peak by about that "
+                           "much; the budget bounds a step's tensors, memrt's own included",
+                           untracked / 2**20)
 
     def _not_a_step(self, *, profiled: bool = True) -> None:
         """The forward got no backward. Shapes it made look varying do not count. Profiled: remember its

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["Meter", "CpuMeter", "CudaMeter", "CudaStats", "make_meter", "device_capacity_bytes", "known_tensors",
-           "watch_optimizers", "on_optimizer_step", "owns_parameters"]
+           "watch_optimizers", "on_optimizer_step", "owns_parameters", "resident_bytes"]
 
 
 class Meter:
@@ -233,6 +233,17 @@ def device_capacity_bytes(device: torch.device) -> int | None:
 
         return int(psutil.virtual_memory().total)
     except ImportError:
+        return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux ``/proc/self/statm``; None elsewhere)."""
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 

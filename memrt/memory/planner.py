@@ -98,6 +98,10 @@ class Plan:
     planning_seconds: float = 0.0
     tries: int = 1
     """Plans made for this key (re-plans after an overshoot count)."""
+    untracked_bytes: int | None = None
+    """CPU: resident bytes the process gained since ``memrt.auto`` beyond its tensors' growth, at the
+    certified step's end (code and allocator memory loaded by the first steps, buffers outside torch);
+    a peak RSS measured from outside exceeds the tensor peak by about this much. None: not measured."""
     shape_scale: float = 1.0
     """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
     shape of its shape bucket (1.0: planned for the profiled shape)."""
