@@ -175,6 +175,19 @@ class _Model:
     fixed: int  # constraints independent of the plan (optimizer phase)
 
 
+_TIE_SECONDS_PER_BYTE = 1e-15
+"""Added to the cost of an ``offload_<tier>`` option per byte it moves (1 ns per MB): when the cost
+model calls its transfers fully hidden (0 s, a bound rather than a measurement: the I/O still takes
+memory bandwidth and, on CPU, a core), keeping the unit, which costs nothing, wins the tie; offload
+is chosen where the budget needs it."""
+
+
+def _moved(o: UnitOption) -> int:
+    if not o.action.startswith("offload_"):
+        return 0
+    return int(o.moved_bytes) if o.moved_bytes is not None else max(0, int(o.backward_transient_bytes))
+
+
 def _build(profile: Profile, options_fn: OptionsFn) -> _Model:
     shift = max(0, profile.end_live_bytes - profile.start_live_bytes)
     n = len(profile.units)
@@ -199,7 +212,7 @@ def _build(profile: Profile, options_fn: OptionsFn) -> _Model:
             bwd = np.array([x.backward_transient_bytes for x in o], dtype=np.int64)
             g = np.maximum(g, u.backward_start_bytes + shift + r + bwd)
         R.append(r.copy())
-        T.append(np.array([x.added_seconds for x in o], dtype=np.float64))
+        T.append(np.array([x.added_seconds + _TIE_SECONDS_PER_BYTE * _moved(x) for x in o], dtype=np.float64))
         G.append(g.astype(np.int64))
         F.append(np.array([x.inflight_bytes for x in o], dtype=np.int64))
         opts.append(o)
