@@ -64,7 +64,9 @@ def _job(model: torch.nn.Module, lengths: list[int], batch: int, vocab: int, *,
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for b in batches:
         opt.zero_grad(set_to_none=True)
-        tr = CpuMemoryTracker().start(known_tensors(model, list(b.values())), scan_gc=False) if peaks is not None else None
+        tr = None
+        if peaks is not None:
+            tr = CpuMemoryTracker().start(known_tensors(model, list(b.values())), scan_gc=False)
         loss = model(**b).loss
         loss.backward()
         if grads is not None:

@@ -49,7 +49,8 @@ def test_scale_profile_scales_activations_not_fixed_bytes():
                              Constraint(prefix=0, bytes=2500, label="optimizer", shifted=False)])
     s = scale_profile(p, 2.0)
     v = s.units[0]
-    assert (v.saved_bytes, v.input_bytes, v.saved_not_input_bytes, v.forward_keep_transient_bytes) == (200, 20, 180, 240)
+    assert (v.saved_bytes, v.input_bytes, v.saved_not_input_bytes) == (200, 20, 180)
+    assert v.forward_keep_transient_bytes == 240
     assert (v.forward_start_bytes, v.backward_start_bytes) == (1100, 1400)  # fixed part kept, the rest doubled
     assert [c.bytes for c in s.constraints] == [1600, 2500]  # the optimizer phase does not grow with shapes
     assert (s.start_live_bytes, s.end_live_bytes) == (1000, 1600)
