@@ -4,6 +4,8 @@ Run (from the repository root):
 
     .venv/bin/python benchmarks/memory_planner.py            # full sweep (GPT 8x256, a few minutes on 2 cores)
     .venv/bin/python benchmarks/memory_planner.py --quick    # smaller model, fewer repeats (< 60 s idle machine)
+    .venv/bin/python benchmarks/memory_planner.py --model 10x256@512/8 --offload auto   # GPT 10x256, seq 512,
+                                                             # batch 8, memrt with its default offload
 
 For a GPT-style model whose activations dominate its memory, it measures every eager baseline (no
 checkpointing, checkpoint every block, ``checkpoint_sequential`` with sqrt(n) segments, every k-th
@@ -51,6 +53,10 @@ def gpt_forward(model: GPT, idx: torch.Tensor, strategy: str) -> torch.Tensor:
     return model.head(model.ln_f(x))
 
 
+OFFLOAD = "none"
+"""memrt's offload setting in this run (``--offload``)."""
+
+
 class Runner:
     def __init__(self, base: GPT, cfg: GPTConfig, batch: int, device: torch.device, strategy: str = "none",
                  budget: int | None = None) -> None:
@@ -59,7 +65,7 @@ class Runner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.i = 0
         if budget is not None:
-            memrt.auto(self.model, budget, offload="none", cache=PlanCache())
+            memrt.auto(self.model, budget, offload=OFFLOAD, cache=PlanCache())
 
     def step(self) -> None:
         x, y = gpt_batch(self.cfg, self.batch, seed=self.i, device=self.device)
@@ -131,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per configuration")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--model", default=None, metavar="LAYERSxWIDTH@SEQ/BATCH",
+                    help="another GPT (tied embeddings, dropout 0.1), e.g. 10x256@512/8")
+    ap.add_argument("--offload", default="none", help="memrt's offload setting: none (default), auto, disk")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
@@ -139,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg, batch = GPTConfig(n_layer=8, d_model=128, n_head=4, seq_len=256, vocab_size=256, dropout=0.1), 8
     if device.type == "cuda":
         cfg, batch = GPTConfig(n_layer=16, d_model=1024, n_head=16, seq_len=1024, vocab_size=8192, dropout=0.1), 8
+    if args.model:
+        import re
+
+        m = re.fullmatch(r"(\d+)x(\d+)@(\d+)/(\d+)", args.model)
+        if not m:
+            raise SystemExit(f"--model {args.model!r}: expected LAYERSxWIDTH@SEQ/BATCH, e.g. 10x256@512/8")
+        layers, width, seq, batch = (int(g) for g in m.groups())
+        cfg = GPTConfig(n_layer=layers, d_model=width, n_head=4, seq_len=seq, vocab_size=256, dropout=0.1)
+    global OFFLOAD
+    OFFLOAD = args.offload
     n_budgets = args.budgets or (3 if args.quick else 5)
     repeats = args.repeats or (6 if args.quick else 12)
     watch_optimizers()
@@ -175,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh = Runner(base, cfg, batch, device, "memrt", budget=budgets[0])
         fresh.step()  # warm the optimizer's first step (state creation) outside the measure
         memrt.disable(fresh.model)
-        memrt.auto(fresh.model, budgets[0], offload="none", cache=PlanCache())
+        memrt.auto(fresh.model, budgets[0], offload=OFFLOAD, cache=PlanCache())
         t0 = time.perf_counter()
         fresh.step()
         auto_mod._STATES[fresh.model]._close_previous()  # close step 1 and plan, as the next forward does

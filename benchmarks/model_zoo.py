@@ -8,7 +8,7 @@ cache directory) measures, from outside (peak RSS growth over the arm), the refe
 checkpointing), ``ckpt1`` and ``ckpt2`` (the model's own ``activation_checkpointing_enable`` of every /
 every second layer; ConvNeXt, which has none: ``torch.utils.checkpoint`` of every / every second stage),
 then memrt.auto at 3 budgets between ``ckpt1`` and ``none`` (fractions 0.25, 0.5, 0.75 of the way, ConvNeXt
-0.5, 0.7, 0.9: ``memrt.testing.zoo.budget_fractions``; default settings, offload auto), 3 AdamW steps
+0.03, 0.06, 0.5: ``memrt.testing.zoo.budget_fractions``; default settings, offload auto), 3 AdamW steps
 each from the same seed. Then every arm is built again and timed in
 interleaved rounds in the same process. Printed per model and budget: outside peak / budget, whether the
 state_dict is bitwise stock's, and memrt's median step time over the fastest reference whose outside peak

@@ -72,3 +72,18 @@ def test_benchmarks_quick_modes(tmp_path):
         assert r["bitwise"] is True, r
         assert r["peak_over_budget"] > 0 and r["time_ratio"] is not None and r["fastest_fitting"], r
     assert "outside peak" in out and "time vs it" in out and data["failed"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dynamic_shapes_quick(tmp_path):
+    # varying input shapes: every step under the budget, bitwise stock, one profile per bucket; timed arms ran
+    data, out = _run(["benchmarks.dynamic_shapes"], tmp_path, 800)
+    r = data["result"]
+    assert data["failed"] == [] and "FAIL memrt" not in out, out[-3000:]
+    assert r["steps_over_budget"] == [] and r["max_peak_bytes"] <= r["budget_bytes"], r
+    assert r["bitwise"] is True
+    assert len(r["profiled"]) <= len(r["buckets"]), r["profiled"]
+    med = r["median_job_seconds"]
+    assert set(med) == {"stock", "fixed plan", "memrt"} and r["memrt_vs_fixed"] > 0
+    assert "memrt / fixed plan =" in out

@@ -125,3 +125,21 @@ def test_find_units_defaults_and_override():
     assert names(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == ["0", "1"]  # no repeats: direct children
     with pytest.raises(ValueError, match="matches no submodule"):
         find_units(ConvNet(), ["NoSuchBlock"])
+
+
+def test_offload_predicted_free_does_not_displace_keep():
+    """An offload whose transfers the cost model calls hidden (0 s) ties with keep: keep wins; offload
+    is used only for the units the budget needs freed, and it beats recomputing those."""
+    prof = synthetic(6, 3)
+
+    def free_offload(u: UnitProfile):
+        return [UnitOption(action="offload_disk", resident_bytes=0, added_seconds=0.0,
+                           backward_transient_bytes=u.saved_bytes, inflight_bytes=0, moved_bytes=u.saved_bytes)]
+
+    keep_all = plan(prof, None).predicted_peak_bytes
+    assert [u.action for u in plan(prof, keep_all, extra_options=free_offload).units] == ["keep"] * 6
+    mf = min_feasible_budget(prof)
+    tight = plan(prof, (keep_all + mf) // 2, extra_options=free_offload)
+    actions = [u.action for u in tight.units]
+    assert "recompute" not in actions and 0 < actions.count("offload_disk") < 6, actions
+    assert tight.added_seconds == 0.0

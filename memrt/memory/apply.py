@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from memrt.memory.recompute import run_recomputed
-from memrt.memory.units import find_units
+from memrt.memory.units import expect_module, find_units
 
 __all__ = ["ActionHandler", "ApplyHandle", "Instrumentation", "apply", "register_action", "registered_actions"]
 
@@ -31,15 +31,21 @@ UnitCall = Callable[[str, nn.Module, Callable[..., Any], tuple, dict], Any]
 class Instrumentation:
     """Routes every call of each unit to ``unit_call(name, module, forward, args, kwargs)``.
 
-    ``on_step(args, kwargs)`` runs at every training forward of the model (grad enabled), before it.
+    ``on_step(args, kwargs)`` runs at every training forward of the model (grad enabled), before it;
+    ``on_other()`` before every other forward of the model (grad disabled, inference mode);
+    ``on_output(output)`` after every training forward, with its output.
     """
 
     def __init__(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, unit_call: UnitCall,
-                 on_step: Callable[[tuple, dict], None] | None = None) -> None:
+                 on_step: Callable[[tuple, dict], None] | None = None,
+                 on_other: Callable[[], None] | None = None,
+                 on_output: Callable[[Any], None] | None = None) -> None:
         self._model = weakref.ref(model)  # weak: registries keyed by the model hold this object
         self.units = list(units)
         self.unit_call = unit_call
         self.on_step = on_step
+        self.on_other = on_other
+        self.on_output = on_output
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self._removed = False
         for name, module in self.units:
@@ -48,14 +54,22 @@ class Instrumentation:
             original = module.forward
             module.forward = self._make_forward(name, module, original)
         self._hook = (model.register_forward_pre_hook(_StepHook(self), with_kwargs=True)
-                      if on_step else None)
+                      if on_step or on_other else None)
+        self._out_hook = model.register_forward_hook(_OutputHook(self)) if on_output else None
 
     def _make_forward(self, name: str, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
         return _UnitForward(self, name, module, original)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and self.on_step is not None:
-            self.on_step(args, kwargs)
+        if torch.is_grad_enabled():
+            if self.on_step is not None:
+                self.on_step(args, kwargs)
+        elif self.on_other is not None:
+            self.on_other()
+
+    def _post(self, output: Any) -> None:
+        if torch.is_grad_enabled() and self.on_output is not None:
+            self.on_output(output)
 
     def remove(self) -> None:
         if self._removed:
@@ -63,6 +77,8 @@ class Instrumentation:
         self._removed = True
         if self._hook is not None:
             self._hook.remove()
+        if self._out_hook is not None:
+            self._out_hook.remove()
         for module, had, previous in self._saved:
             if had:
                 module.forward = previous
@@ -122,6 +138,31 @@ class _StepHook:
 
 def _no_step_hook() -> Callable[..., None]:
     return _no_step
+
+
+class _OutputHook:
+    """The model's forward hook (training forwards' outputs); copies of the model get a no-op."""
+
+    __slots__ = ("ref", "__weakref__")
+
+    def __init__(self, inst: Instrumentation) -> None:
+        self.ref = weakref.ref(inst)
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        inst = self.ref()
+        if inst is not None and not inst._removed:
+            inst._post(output)
+
+    def __reduce__(self):
+        return (_no_output_hook, ())
+
+
+def _no_output(module: nn.Module, args: tuple, output: Any) -> None:
+    return None
+
+
+def _no_output_hook() -> Callable[..., None]:
+    return _no_output
 
 
 # -- action registry ----------------------------------------------------------------------------------
@@ -222,7 +263,8 @@ class ApplyHandle:
 
     def __init__(self, model: nn.Module, plan: Any, *, units: Sequence[str] | None = None,
                  offload_dir: str | None = None, on_step: Callable[[tuple, dict], None] | None = None,
-                 unit_call: UnitCall | None = None) -> None:
+                 unit_call: UnitCall | None = None, on_other: Callable[[], None] | None = None,
+                 on_output: Callable[[Any], None] | None = None) -> None:
         from memrt.memory.profile import model_device
 
         self.plan = plan
@@ -233,7 +275,8 @@ class ApplyHandle:
         self._index = 0
         self._extra_step = on_step
         self._override = unit_call
-        self.inst = Instrumentation(model, find_units(model, units), unit_call=self._unit_call, on_step=self._on_step)
+        self.inst = Instrumentation(model, find_units(model, units), unit_call=self._unit_call, on_step=self._on_step,
+                                    on_other=on_other, on_output=on_output)
 
     def set_plan(self, plan: Any) -> None:
         self.plan = plan
@@ -273,6 +316,12 @@ _HANDLES: "weakref.WeakKeyDictionary[nn.Module, ApplyHandle]" = weakref.WeakKeyD
 
 def apply(model: nn.Module, plan: Any, *, units: Sequence[str] | None = None, offload_dir: str | None = None) -> nn.Module:
     """Put ``plan`` in force on ``model`` (same object returned); :func:`memrt.disable` removes it."""
+    from memrt.memory.planner import Plan
+
+    expect_module("memrt.apply", model)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"memrt.apply expects a memrt.Plan (from memrt.plan or memrt.plan_of) or None, "
+                        f"got {type(plan).__name__}")
     old = _HANDLES.pop(model, None)
     if old is not None:
         old.remove()

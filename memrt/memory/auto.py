@@ -2,13 +2,19 @@
 
 A step is the span from one training forward of the model (grad enabled) to the end of the step of an
 optimizer that owns its parameters (or, without one, to the next training forward): what runs between
-the optimizer step and the next forward (evaluation, logging, another model) is not the step's. For each input
-signature (shapes, dtypes): the first step is profiled (every unit recomputed, so it needs no more
-memory than checkpointing every unit), the plan is made at the start of the next step and is in force
-from then on; that step's peak is measured (CUDA: allocator statistics; CPU: the tracker) and, over
-budget, the plan is remade with the overshoot held back (at most ``MAX_TRIES`` plans), else
-:class:`memrt.BudgetError` reports what was measured. Plans are cached per (structure, input
-signature, dtype, device, budget).
+the optimizer step and the next forward (evaluation, logging, another model) is not the step's. A
+forward whose output gets no gradient before the next forward (a validation loss computed with grad
+enabled) is not a step: its profile or measurement is dropped and the next forward takes its place;
+forwards with grad disabled are never steps. For each input signature (shapes, dtypes): the first step
+is profiled (every unit recomputed, so it needs no more memory than checkpointing every unit), the plan
+is made at the start of the next step and is in force from then on; that step's peak is measured
+(CUDA: allocator statistics; CPU: the tracker) and, over budget, the plan is remade with the overshoot
+held back (at most ``MAX_TRIES`` plans), else :class:`memrt.BudgetError` reports what was measured.
+Plans are cached per (structure, input signature, dtype, device, budget).
+
+When training steps come with different input shapes, plans are made per shape bucket
+(:mod:`memrt.memory.buckets`): one profile per bucket, a plan that holds for the bucket's largest
+shape, a step measured whenever its shape exceeds those measured in its bucket, one warning.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import torch.nn as nn
 from memrt.config import Budget, MemrtConfig, load_config, parse_budget
 from memrt.errors import BudgetError
 from memrt.memory.apply import ApplyHandle
+from memrt.memory.buckets import (Shape, bucket_shapes, grows, input_shapes, scale_profile, shape_scale, signature_of,
+                                  widen)
 from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
 from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, make_meter, on_optimizer_step,
-                                owns_parameters, watch_optimizers)
+                                owns_parameters, resident_bytes, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan
-from memrt.memory.profile import Profile, ProfileSession, input_signature, model_device
-from memrt.memory.units import find_units, structure_key
+from memrt.memory.profile import Profile, ProfileSession, model_device
+from memrt.memory.units import expect_module, find_units, structure_key
 
 __all__ = ["auto", "plan_of", "disable", "MAX_TRIES"]
 
@@ -51,29 +59,66 @@ class _State:
         self.structure = structure_key(model, self.units)
         self.dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", "")
         self.key: str | None = None
+        self.signature = ""
+        """The signature the plan in force is keyed by (the bucket's bound once shapes vary)."""
         self.entry: CacheEntry | None = None
         self.session: ProfileSession | None = None
         self.meter: Meter | None = None
         self.step = 0
         self.param_ids = {id(p) for p in model.parameters()}
-        self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step)
+        self.shapes: list[Shape] = []
+        """Input shapes of the current training forward."""
+        self.trained_shapes: list[Shape] | None = None
+        """Input shapes of the first step that got its backward."""
+        self.varying = False
+        """Whether training steps came with different input shapes (plans are then per shape bucket)."""
+        self.seeds: dict[str, tuple[Profile, list[Shape]]] = {}
+        """Profiles of exact shapes made before the shapes varied, by their bucket's signature."""
+        self.backward_seen: bool | None = False
+        """Whether backward reached the current step's output (None: the output has no tensor to watch)."""
+        self.no_backward: dict[str, None] = {}
+        """Signatures of profiled forwards that got no backward (evaluation shapes), oldest first, at most 16."""
+        self.last_key: str | None = None
+        self.watching: str | None = None
+        """The signature of this forward when it is an evaluation shape (its backward is watched)."""
+        self.provisional = False
+        """Whether this forward switched to shape buckets (undone if it gets no backward)."""
+        """The key of the last training step."""
+        self._bwd_hook: Any = None
+        self.rss0 = resident_bytes() if self.device.type == "cpu" else None
+        self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                          for t in list(model.parameters()) + list(model.buffers())}.values())
+        self.warned_untracked = False
+        self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step,
+                                  on_other=self._on_other, on_output=self._on_output)
 
     # -- step boundary ------------------------------------------------------------------------------
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self.step += 1
         self._close_previous(_flat_tensors((args, kwargs)))
-        sig = input_signature(args, kwargs)
+        self.shapes = input_shapes(args, kwargs)
+        exact = signature_of(self.shapes)
+        if exact in self.no_backward:  # an evaluation shape: the plan in force serves it; watch for a backward
+            self.watching = exact
+            self.backward_seen = False
+            return
+        provisional = False
+        if not self.varying and self.trained_shapes is not None and self.shapes != self.trained_shapes:
+            # new shapes: buckets from now on, confirmed when this forward turns out to be a training step
+            self.varying = provisional = True
+        sig = signature_of(bucket_shapes(self.shapes) if self.varying else self.shapes)
         key = cache_key(self.structure, sig, self.dtype, str(self.device), self.budget, self.offload)
         if key == self.key and self.entry is not None:
-            if self.entry.plan.measured_peak_bytes is None and self.meter is None:
-                self._start_measure((args, kwargs))
+            self.provisional = provisional
+            self._maybe_measure((args, kwargs), switched=provisional)
             return
-        self.key = key
-        self.entry = self.cache.get(key)
+        found = self.cache.get(key)
+        self.provisional = provisional
+        self.key, self.signature = key, sig
+        self.entry = found
         if self.entry is not None:
             self.handle.set_plan(self.entry.plan)
-            if self.budget is not None:
-                self._start_measure((args, kwargs))
+            self._maybe_measure((args, kwargs), switched=not self.varying or provisional)
             return
         if self.budget is None:  # no limit: plan for speed, nothing to profile
             entry = CacheEntry(plan=Plan(budget_bytes=None, structure=self.structure, signature=sig,
@@ -82,12 +127,34 @@ class _State:
             self.cache.put(key, entry)
             self.entry = entry
             self.handle.set_plan(entry.plan)
+            self._maybe_measure((args, kwargs))
+            return
+        seed = self.seeds.get(sig) if self.varying else None
+        if seed is not None:  # this bucket's shape was profiled before the shapes varied
+            profile, shapes = seed
+            self._make_plan(profile, margin=0, tries=1, scale=shape_scale(shapes, bucket_shapes(self.shapes)))
+            self._maybe_measure((args, kwargs))
             return
         # profile this step: every unit recomputed
         self.session = ProfileSession(self._model(), self.units, device=self.device)
-        self.session.profile.signature = sig
+        self.session.profile.signature = signature_of(self.shapes)
         self.handle._override = self.session.unit_call
+        self.backward_seen = False
         self.session.begin((args, kwargs))
+
+    def _maybe_measure(self, inputs: Any, *, switched: bool = False) -> None:
+        """Certify the plan in force on this step: its first step in this process, a step that switches to
+        it from another shape (fixed shapes), and once shapes vary, every step with a dimension larger
+        than those measured under it."""
+        entry = self.entry
+        if self.meter is not None or entry is None:
+            return
+        if self.budget is None:  # no limit: record the memory timeline of one step per key, from the second
+            if entry.measured_shapes is None and self.step >= 2:
+                self._start_measure(inputs)
+            return
+        if switched or grows(self.shapes, entry.measured_shapes):
+            self._start_measure(inputs)
 
     def freeze(self) -> None:
         """An optimizer owning the model's parameters has stepped: the step's measurement stops counting
@@ -97,29 +164,139 @@ class _State:
         if meter is not None:
             meter.pause()
 
+    # -- forwards outside a training step ------------------------------------------------------------
+    def _on_output(self, output: Any) -> None:
+        """Watch the training forward's output: a step whose output gets no gradient before the next
+        forward (a validation loss computed with grad enabled) is not a training step."""
+        if (self.session is None and self.meter is None and self.watching is None) or self._bwd_hook is not None:
+            return
+        outs = [t for t in _output_tensors(output) if t.requires_grad]
+        if not outs:
+            self.backward_seen = None
+            return
+        ref = weakref.ref(self)
+
+        def seen(_grads: Any) -> None:
+            st = ref()
+            if st is not None:
+                st.backward_seen = True
+
+        self._bwd_hook = torch.autograd.graph.register_multi_grad_hook(outs, seen, mode="any")
+
+    def _on_other(self) -> None:
+        """A forward with grad disabled: after the step's backward it ends the step's measurement (like an
+        optimizer step); it is never a step itself."""
+        if self.backward_seen and (self.session is not None or self.meter is not None):
+            self.freeze()
+
+    def _step_was_training(self) -> bool:
+        seen = self.backward_seen is not False
+        if self._bwd_hook is not None:
+            self._bwd_hook.remove()
+            self._bwd_hook = None
+        self.backward_seen = False
+        return seen
+
     def _close_previous(self, next_inputs: Sequence[torch.Tensor] = ()) -> None:
+        if self.watching is not None:
+            watched, self.watching = self.watching, None
+            if self._step_was_training():  # that shape trains after all: plan it from its next step
+                self.no_backward.pop(watched, None)
+            return
         if self.session is not None:
             session, self.session = self.session, None
             self.handle._override = None
             profile = session.end(next_inputs)
-            self._make_plan(profile, margin=0, tries=1)
+            if not self._step_was_training():  # no backward: nothing learned, profile the next step
+                self._not_a_step()
+                return
+            self.no_backward.pop(signature_of(self.shapes), None)
+            scale = 1.0
+            if self.varying:
+                scale = shape_scale(self.shapes, bucket_shapes(self.shapes))
+            else:  # the shapes may vary later: this profile then serves its bucket
+                self.seeds[signature_of(bucket_shapes(self.shapes))] = (profile, list(self.shapes))
+            self._note_shapes()
+            self._make_plan(profile, margin=0, tries=1, scale=scale)
             return
         if self.meter is not None:
             meter, self.meter = self.meter, None
             measured = meter.peak
             meter.mark("step_end", "certify")
+            live = meter.live()
             meter.stop()
+            if not self._step_was_training():  # no backward: measure the next step instead
+                self._not_a_step(profiled=False)
+                return
+            self._note_shapes()
+            self._note_untracked(live)
             self._certify(measured)
 
-    def _make_plan(self, profile: Profile, *, margin: int, tries: int) -> None:
+    def _note_untracked(self, live: int) -> None:
+        """CPU: how much more resident memory the process gained since ``auto`` than its tensors did;
+        one warning when that is over a twentieth of the budget (an outside peak would show it)."""
+        if self.rss0 is None or self.entry is None:
+            return
+        rss = resident_bytes()
+        if rss is None:
+            return
+        untracked = max(0, (rss - self.rss0) - (live - self.live0))
+        self.entry.plan.untracked_bytes = untracked
+        if self.budget is not None and untracked > self.budget // 20 and not self.warned_untracked:
+            self.warned_untracked = True
+            logger.warning("memrt: this process's resident memory grew %.1f MiB more than the tensors memrt counts "
+                           "for the step since memrt.auto (code and allocator memory of the first steps, buffers "
+                           "outside torch, other objects the script made): "
+                           "a peak RSS growth measured from outside exceeds the step's tensor peak by about that "
+                           "much; the budget bounds a step's tensors, memrt's own included",
+                           untracked / 2**20)
+
+    def _not_a_step(self, *, profiled: bool = True) -> None:
+        """The forward got no backward. Shapes it made look varying do not count. Profiled: remember its
+        key (later forwards of that signature run under the plan in force until one of them is a training
+        step) and profile the next step."""
+        if self.provisional:
+            self.varying = self.provisional = False
+        if not profiled:
+            return
+        if self.shapes:
+            self.no_backward[signature_of(self.shapes)] = None
+            while len(self.no_backward) > 16:
+                self.no_backward.pop(next(iter(self.no_backward)))
+        self.key, self.entry = None, None
+        previous = self.cache.get(self.last_key) if self.last_key is not None else None
+        if previous is not None:  # back to the plan of the last training step
+            self.key, self.entry = self.last_key, previous
+            self.handle.set_plan(previous.plan)
+
+    def _note_shapes(self) -> None:
+        """A training step ran with ``self.shapes``: the first different shapes switch to shape buckets."""
+        self.last_key = self.key
+        if self.trained_shapes is None:
+            self.trained_shapes = list(self.shapes)
+        elif self.provisional:
+            self.provisional = False
+            logger.warning("memrt: input shapes vary between training steps (%s, then %s): planning per shape "
+                           "bucket (every dimension rounded up to a power of two), each bucket profiled once",
+                           signature_of(self.trained_shapes), signature_of(self.shapes))
+
+    def _make_plan(self, profile: Profile, *, margin: int, tries: int, scale: float = 1.0) -> None:
         try:
-            p = make_plan(profile, self.budget, margin_bytes=margin, offload=self.offload)
+            p = make_plan(scale_profile(profile, scale), self.budget, margin_bytes=margin, offload=self.offload)
         except BudgetError:
+            if scale > 1.0:  # the bucket's largest shape does not fit by the model: plan for the shape seen
+                logger.warning("memrt: no plan fits %s (the largest shape of its bucket) under the budget; "
+                               "planning for the profiled shape %s and certifying larger ones as they come",
+                               self.signature, profile.signature)
+                self._make_plan(profile, margin=margin, tries=tries, scale=1.0)
+                return
             self.entry = None
             self.key = None
             self.handle.set_plan(None)
             raise
         p.tries = tries
+        p.shape_scale = scale
+        p.signature = self.signature
         self.entry = CacheEntry(plan=p, profile=profile)
         self.cache.put(self.key, self.entry)
         self.handle.set_plan(p)
@@ -131,9 +308,10 @@ class _State:
         if entry is None:
             return
         p = entry.plan
-        p.measured_peak_bytes = int(measured)
+        p.measured_peak_bytes = max(int(measured), p.measured_peak_bytes or 0)
         _record(p)
         if self.budget is None or measured <= self.budget:
+            entry.measured_shapes = widen(self.shapes, entry.measured_shapes)
             self.cache.put(self.key, entry)
             return
         over = measured - self.budget
@@ -146,11 +324,11 @@ class _State:
                               f"memory model did not close")
         logger.warning("memrt: measured peak %d bytes is %d over the budget; re-planning with that held back",
                        measured, over)
-        self._make_plan(entry.profile, margin=p.margin_bytes + over + max(over // 8, 4096), tries=p.tries + 1)
+        self._make_plan(entry.profile, margin=p.margin_bytes + over + max(over // 8, 4096), tries=p.tries + 1,
+                        scale=p.shape_scale)
 
     def _start_measure(self, inputs: Any) -> None:
-        if self.budget is None:
-            return
+        self.backward_seen = False
         self.meter = make_meter(self.device)
         self.meter.start(known_tensors(self._model(), _flat_tensors(inputs)))
         self.meter.mark("step_begin", "certify")
@@ -162,7 +340,23 @@ class _State:
         if self.meter is not None:
             self.meter.stop()
             self.meter = None
+        self._step_was_training()
         self.handle.remove()
+
+
+def _output_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors of a forward's output (tuples, lists, dicts and mappings such as transformers' ModelOutput)."""
+    from collections.abc import Mapping
+
+    from torch.utils._pytree import tree_flatten
+
+    out: list[torch.Tensor] = []
+    for leaf in tree_flatten(obj)[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif isinstance(leaf, Mapping):
+            out += _output_tensors(list(leaf.values()))
+    return out
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
@@ -205,8 +399,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     limit). ``units``: class names of the units (default: repeated blocks). ``offload``: none|auto|disk|host
     (default MEMRT_OFFLOAD). ``cache_dir``: also keep plans on disk there; ``cache``: a :class:`PlanCache`.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"memrt.auto expects a torch.nn.Module, got {type(model).__name__}")
+    expect_module("memrt.auto", model)
     cfg = config if config is not None else load_config(warn_unknown=False)
     disable(model)
     watch_optimizers()
@@ -222,7 +415,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
 
 def plan_of(model: nn.Module) -> Plan | None:
     """The plan in force on ``model`` (None before the first plan or without memrt)."""
-    st = _STATES.get(model)
+    st = _STATES.get(expect_module("memrt.plan_of", model))
     if st is not None:
         return st.entry.plan if st.entry is not None else None
     from memrt.memory.apply import _HANDLES
@@ -233,7 +426,7 @@ def plan_of(model: nn.Module) -> Plan | None:
 
 def disable(model: nn.Module) -> nn.Module:
     """Remove every hook memrt installed on ``model`` (auto or apply); the model is as before."""
-    st = _STATES.pop(model, None)
+    st = _STATES.pop(expect_module("memrt.disable", model), None)
     if st is not None:
         st.close()
     from memrt.memory.apply import remove

@@ -3,7 +3,8 @@
 A meter measures live tensor bytes on the model's device (the budget's quantity), the peak of each
 segment between two marks, and the "ghost" peak (CPU only: what a unit would hold if its saved tensors
 were kept). CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` with
-``reset_peak_memory_stats`` at every mark (host-side counters, no device synchronisation).
+``reset_peak_memory_stats`` at every mark (host-side counters, no device synchronisation); the step's
+peak that certification compares with the budget is the higher of that and ``max_memory_reserved``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Meter", "CpuMeter", "CudaMeter", "make_meter", "device_capacity_bytes", "known_tensors", "watch_optimizers",
-           "on_optimizer_step", "owns_parameters"]
+__all__ = ["Meter", "CpuMeter", "CudaMeter", "CudaStats", "make_meter", "device_capacity_bytes", "known_tensors",
+           "watch_optimizers", "on_optimizer_step", "owns_parameters", "resident_bytes"]
 
 
 class Meter:
@@ -79,33 +80,65 @@ class CpuMeter(Meter):
         return self.tracker.peak_bytes
 
 
+class CudaStats:
+    """The allocator statistics a :class:`CudaMeter` reads (``torch.cuda``'s for one device); tests pass
+    a stand-in with the same methods."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def max_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reset_peaks(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
 class CudaMeter(Meter):
-    def __init__(self, device: torch.device, *, record: bool = True) -> None:
+    """Live bytes and segment peaks from the allocator's allocated bytes (what the planner's memory model
+    counts); :attr:`peak`, what certification compares with the budget, also covers the allocator's
+    reserved bytes (``max_memory_reserved``: allocated blocks plus the cached and fragmented ones, what
+    decides an out-of-memory error)."""
+
+    def __init__(self, device: torch.device, *, record: bool = True, stats: CudaStats | None = None) -> None:
         self.device = device
         self.record = record
+        self.stats = stats if stats is not None else CudaStats(device)
         self._peak = 0
         self._paused_at: int | None = None
 
     def start(self, extra: Iterable[Any] = ()) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._peak = torch.cuda.memory_allocated(self.device)
+        self.stats.reset_peaks()
+        self._peak = max(self.stats.allocated(), self.stats.reserved())
         self._paused_at = None
+
+    def _max_now(self) -> int:
+        return max(self.stats.max_allocated(), self.stats.max_reserved())
 
     def pause(self) -> None:
         """Freeze the peaks here (the allocator's counters keep moving with everything else's)."""
         if self._paused_at is None:
-            self._paused_at = torch.cuda.max_memory_allocated(self.device)
-            self._peak = max(self._peak, self._paused_at)
+            self._peak = max(self._peak, self._max_now())
+            self._paused_at = self.stats.max_allocated()
 
     def live(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return self.stats.allocated()
 
     def segment(self) -> tuple[int, int]:
         if self._paused_at is not None:
             return self._paused_at, self._paused_at
-        p = torch.cuda.max_memory_allocated(self.device)
-        self._peak = max(self._peak, p)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        p = self.stats.max_allocated()
+        self._peak = max(self._peak, p, self.stats.max_reserved())
+        self.stats.reset_peaks()
         return p, p
 
     def mark(self, kind: str, label: str = "") -> None:
@@ -120,9 +153,10 @@ class CudaMeter(Meter):
 
     @property
     def peak(self) -> int:
+        """Highest of allocated and reserved bytes since :meth:`start` (until :meth:`pause`)."""
         if self._paused_at is not None:
             return self._peak
-        return max(self._peak, torch.cuda.max_memory_allocated(self.device))
+        return max(self._peak, self._max_now())
 
 
 _OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -199,6 +233,17 @@ def device_capacity_bytes(device: torch.device) -> int | None:
 
         return int(psutil.virtual_memory().total)
     except ImportError:
+        return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux ``/proc/self/statm``; None elsewhere)."""
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 

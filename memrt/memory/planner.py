@@ -98,6 +98,13 @@ class Plan:
     planning_seconds: float = 0.0
     tries: int = 1
     """Plans made for this key (re-plans after an overshoot count)."""
+    untracked_bytes: int | None = None
+    """CPU: resident bytes the process gained since ``memrt.auto`` beyond its tensors' growth, at the
+    certified step's end (code and allocator memory loaded by the first steps, buffers outside torch);
+    a peak RSS measured from outside exceeds the tensor peak by about this much. None: not measured."""
+    shape_scale: float = 1.0
+    """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
+    shape of its shape bucket (1.0: planned for the profiled shape)."""
     structure: str = ""
     signature: str = ""
     device: str = "cpu"
@@ -168,6 +175,19 @@ class _Model:
     fixed: int  # constraints independent of the plan (optimizer phase)
 
 
+_TIE_SECONDS_PER_BYTE = 1e-15
+"""Added to the cost of an ``offload_<tier>`` option per byte it moves (1 ns per MB): when the cost
+model calls its transfers fully hidden (0 s, a bound rather than a measurement: the I/O still takes
+memory bandwidth and, on CPU, a core), keeping the unit, which costs nothing, wins the tie; offload
+is chosen where the budget needs it."""
+
+
+def _moved(o: UnitOption) -> int:
+    if not o.action.startswith("offload_"):
+        return 0
+    return int(o.moved_bytes) if o.moved_bytes is not None else max(0, int(o.backward_transient_bytes))
+
+
 def _build(profile: Profile, options_fn: OptionsFn) -> _Model:
     shift = max(0, profile.end_live_bytes - profile.start_live_bytes)
     n = len(profile.units)
@@ -192,7 +212,7 @@ def _build(profile: Profile, options_fn: OptionsFn) -> _Model:
             bwd = np.array([x.backward_transient_bytes for x in o], dtype=np.int64)
             g = np.maximum(g, u.backward_start_bytes + shift + r + bwd)
         R.append(r.copy())
-        T.append(np.array([x.added_seconds for x in o], dtype=np.float64))
+        T.append(np.array([x.added_seconds + _TIE_SECONDS_PER_BYTE * _moved(x) for x in o], dtype=np.float64))
         G.append(g.astype(np.int64))
         F.append(np.array([x.inflight_bytes for x in o], dtype=np.int64))
         opts.append(o)
@@ -334,9 +354,16 @@ def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: O
     return fn
 
 
+def _expect_profile(api: str, profile: Any) -> None:
+    if not isinstance(profile, Profile):
+        raise TypeError(f"{api} expects a memrt.Profile (from memrt.profile, or Profile.from_json), "
+                        f"got {type(profile).__name__}")
+
+
 def min_feasible_budget(profile: Profile, *, offload: str | None = None, bandwidths: Any = None,
                         extra_options: OptionsFn | None = None, resolution: int = 2048) -> int:
     """The smallest budget (bytes) under which some plan fits, by the memory model."""
+    _expect_profile("memrt.memory.min_feasible_budget", profile)
     m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options))
     res = _solve(m, None, "peak", resolution)
     assert res is not None
@@ -359,6 +386,7 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
     Raises :class:`memrt.BudgetError` with the smallest feasible budget when none fits.
     """
     t0 = time.perf_counter()
+    _expect_profile("memrt.plan", profile)
     if isinstance(budget, str):
         from memrt.config import parse_budget
 

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from memrt.memory.meter import Meter, make_meter
 from memrt.memory.recompute import RecomputeHooks, run_recomputed
-from memrt.memory.units import find_units, structure_key
+from memrt.memory.units import expect_module, find_units, structure_key
 
 __all__ = ["Constraint", "Profile", "UnitProfile", "ProfileSession", "profile", "input_signature", "model_device"]
 
@@ -382,6 +382,11 @@ def profile(model: nn.Module, step_fn: Callable[[], Any], *, units: Sequence[str
     """
     from memrt.memory.apply import Instrumentation
     from memrt.memory.meter import watch_optimizers
+
+    expect_module("memrt.profile", model)
+    if not callable(step_fn):
+        raise TypeError(f"memrt.profile expects step_fn, a callable running one training step, got "
+                        f"{type(step_fn).__name__}")
 
     watch_optimizers()
     device = model_device(model)

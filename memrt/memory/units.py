@@ -13,7 +13,15 @@ from typing import Sequence
 
 import torch.nn as nn
 
-__all__ = ["find_units", "structure_key"]
+__all__ = ["expect_module", "find_units", "structure_key"]
+
+
+def expect_module(api: str, obj: object) -> nn.Module:
+    """``obj`` if it is a ``torch.nn.Module``, else a TypeError that names ``api`` and what it got."""
+    if not isinstance(obj, nn.Module):
+        raise TypeError(f"{api} expects the torch.nn.Module memrt plans (the model passed to memrt.auto or "
+                        f"memrt.apply), got {type(obj).__name__}: {obj!r:.80}")
+    return obj
 
 
 def _repeated(module: nn.Module) -> bool:
