@@ -39,15 +39,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_ranks():
+    """Every rank a test started is gone after it, also when an assertion ends the test early."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
 def _start(tmp: Path, world: int, argv: list[str], *, per_node: int, **extra: str) -> list[subprocess.Popen]:
     port = _free_port()
-    procs = []
+    procs: list[subprocess.Popen] = []
     for r in range(world):
         env = clean_env(tmp, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_node),
                         LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
         out = open(tmp / f"rank{r}.out", "w")
         procs.append(subprocess.Popen(argv, env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, text=True))
         out.close()
+        _STARTED.append(procs[-1])
     return procs
 
 

@@ -324,8 +324,11 @@ class _State:
                               f"memory model did not close")
         logger.warning("memrt: measured peak %d bytes is %d over the budget; re-planning with that held back",
                        measured, over)
-        self._make_plan(entry.profile, margin=p.margin_bytes + over + max(over // 8, 4096), tries=p.tries + 1,
-                        scale=p.shape_scale)
+        # Hold back the model's measured error for this plan (measured - predicted), not only the overshoot:
+        # a plan predicted just inside budget - (margin + over) would be chosen again and miss by as much.
+        error = measured - (p.predicted_peak_bytes or 0)
+        margin = max(p.margin_bytes + over, error) + max(over // 8, 4096)
+        self._make_plan(entry.profile, margin=margin, tries=p.tries + 1, scale=p.shape_scale)
 
     def _start_measure(self, inputs: Any) -> None:
         self.backward_seen = False
