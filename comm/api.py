@@ -126,6 +126,13 @@ def first_host(nodelist: str) -> str:
 
 def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, health: bool = True) -> Topology:
     """Discover the topology and create the groups (collective; init_process_group calls it)."""
+    from memrt.comm.backend import internal_groups
+
+    with internal_groups():  # under the memrt process group, memrt's own tier groups are plain gloo / NCCL
+        return _setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health)
+
+
+def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool) -> Topology:
     from memrt.config import load_config
 
     _st.config = load_config(warn_unknown=False)
@@ -365,8 +372,10 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
     start = time.perf_counter()
     tier = tier_bytes(name, "flat", nbytes, _st.topology)
     finish = lambda: _record(name, t, nbytes, "flat", start, tier, predicted)  # noqa: E731
-    try:
-        with (_st.health.inside(name) if _st.health is not None else _null()):
+    from memrt.comm.backend import passthrough
+
+    try:  # passthrough: a memrt process group underneath runs this flat call as it is (no second routing)
+        with (_st.health.inside(name) if _st.health is not None else _null()), passthrough():
             work = call()
     except Exception as exc:  # noqa: BLE001
         _raise_diagnosed(name, exc)

@@ -95,10 +95,17 @@ def _guard_steps(module: Any) -> bool:
     return True
 
 
-def _comm_hook_wanted(sess: Session, entry: dict[str, Any]) -> Any:
+def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> Any:
     """memrt.comm.register_ddp_hook when this rank can use it, else None (reason in ``entry``)."""
     if sess.config.comm == "off":
         entry["comm_hook"] = "off (MEMRT_COMM=off)"
+        return None
+    try:
+        from memrt.comm.backend import is_memrt_group
+    except ImportError:
+        is_memrt_group = None
+    if is_memrt_group is not None and is_memrt_group(getattr(ddp, "process_group", None)):
+        entry["comm_hook"] = "memrt.comm process group (no hook needed)"
         return None
     try:
         from memrt.comm import register_ddp_hook
@@ -149,7 +156,7 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     if not _session.is_off():
         try:
             _plan_memory(sess, module, entry)
-            register = _comm_hook_wanted(sess, entry)
+            register = _comm_hook_wanted(sess, entry, ddp)
         except Exception as exc:  # noqa: BLE001
             _session.fail("memory plan for DistributedDataParallel", exc)
             register = None
@@ -170,6 +177,12 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
 
 def note_fully_shard(sess: Session, module: Any) -> None:
     """Record an FSDP2-sharded module in the report (memory plans for FSDP2 are not applied yet)."""
+    try:
+        from memrt.comm.backend import default_is_memrt
+
+        comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
+    except ImportError:
+        comm = "fsdp2 own"
     sess.models.append({"kind": "fsdp2", "module": type(module).__name__,
                         "parameters": sum(p.numel() for p in module.parameters()),
-                        "memory": "not planned (FSDP2 planning is not supported yet)", "comm_hook": "fsdp2 own"})
+                        "memory": "not planned (FSDP2 planning is not supported yet)", "comm_hook": comm})

@@ -1,0 +1,142 @@
+"""Rank functions for tests/test_llm_*.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init(rank: int, world: int, backend: str) -> None:
+    """init_process_group over the harness's store; ``backend="memrt"`` registers memrt's group first."""
+    if backend == "memrt":
+        from memrt.comm.backend import register
+
+        register()
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+
+def comm_log() -> list[dict[str, Any]]:
+    from memrt.profiling.recorder import get_recorder
+
+    return [{"op": r.op, "algorithm": r.algorithm, "nbytes": r.nbytes, "tier_bytes": dict(r.tier_bytes),
+             "group_size": r.group_size} for r in get_recorder().comm]
+
+
+def clear_log() -> None:
+    from memrt.profiling.recorder import get_recorder
+
+    get_recorder().comm.clear()
+
+
+def plain_collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """dist.all_reduce / all_gather_into_tensor / reduce_scatter_tensor / broadcast, inf and NaN included."""
+    init(rank, world, backend)
+    g = torch.Generator().manual_seed(100 + rank)
+    out: dict[str, Any] = {}
+    big = torch.randn(300_000, generator=g)
+    big[7] = float("inf") if rank == 0 else 1.0
+    big[8] = float("nan") if rank == world - 1 else 2.0
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+        t = big.clone()
+        dist.all_reduce(t, op=op)
+        out[f"all_reduce_{op}"] = t
+    ints = torch.arange(1000, dtype=torch.int64) * (rank + 1)
+    dist.all_reduce(ints)
+    out["all_reduce_int"] = ints
+    o = torch.empty(world * 50_000)
+    dist.all_gather_into_tensor(o, big[:50_000].clone())
+    out["all_gather"] = o
+    rs = torch.empty(75_000)
+    dist.reduce_scatter_tensor(rs, big[:75_000 * world].clone())
+    out["reduce_scatter"] = rs
+    b = big.clone()
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b
+    w = dist.all_reduce(big.clone(), async_op=True)
+    w.wait()
+    out = {k: v.numpy().tobytes() for k, v in out.items()}  # bytes: equal bits compare equal (NaN too)
+    out["log"] = comm_log()
+    dist.destroy_process_group()
+    return out
+
+
+def _activate() -> None:
+    """What MEMRT=1 does at interpreter start (the children of run_processes get MEMRT=1 after it)."""
+    from memrt.activation.hooks import install
+
+    install()
+
+
+def tiny_gpt(seed: int = 0, n_layer: int = 2):
+    from memrt.testing.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=32, dropout=0.0))
+
+
+def _batch(rank: int, step: int):
+    from memrt.testing.models import GPTConfig, gpt_batch
+
+    return gpt_batch(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32), 4,
+                     seed=1000 * step + rank)
+
+
+def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3) -> dict[str, Any]:
+    """DDP without a comm hook, AdamW; returns the parameters (bytes), the hooks DDP holds and the comm log."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from memrt.testing.models import lm_loss
+
+    if activate:
+        _activate()
+    init(rank, world, backend)
+    model = DDP(tiny_gpt())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    clear_log()
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"params": {k: v.detach().numpy().tobytes() for k, v in model.module.state_dict().items()},
+           "log": comm_log(), "pg": type(dist.distributed_c10d._get_default_group()).__name__,
+           "hook": model._comm_hooks if hasattr(model, "_comm_hooks") else None}
+    dist.destroy_process_group()
+    return out
+
+
+def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3,
+               compile_model: bool = False) -> dict[str, Any]:
+    """fully_shard per block + root, AdamW; the gathered state after ``steps`` and the comm log."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from memrt.testing.models import lm_loss
+
+    if activate:
+        _activate()
+    init(rank, world, backend)
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_gpt()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fwd = torch.compile(model) if compile_model else model
+    clear_log()
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        lm_loss(fwd(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    log = comm_log()
+    state = {k: v.full_tensor().detach().numpy().tobytes() for k, v in model.state_dict().items()}
+    out = {"state": state, "log": log, "pg": type(dist.distributed_c10d._get_default_group()).__name__}
+    dist.destroy_process_group()
+    return out
