@@ -60,6 +60,20 @@ def plain_collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
     out["broadcast"] = b
     w = dist.all_reduce(big.clone(), async_op=True)
     w.wait()
+    import torch.distributed._functional_collectives as fc  # what compiled graphs run
+
+    out["fc_all_reduce"] = fc.wait_tensor(fc.all_reduce(big.clone(), "sum", dist.group.WORLD))
+    out["fc_all_gather"] = fc.wait_tensor(fc.all_gather_tensor(big[:50_000].clone(), 0, dist.group.WORLD))
+    out["fc_reduce_scatter"] = fc.wait_tensor(fc.reduce_scatter_tensor(big[:75_000 * world].clone(), "sum", 0,
+                                                                       dist.group.WORLD))
+    if world == 4:  # a 2 x 2 DeviceMesh: one dimension inside the (faked) nodes, one across
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("across", "inside"))
+        for dim in ("across", "inside"):
+            t = big[:1000].clone()
+            dist.all_reduce(t, group=mesh.get_group(dim))
+            out[f"mesh_{dim}"] = t
     out = {k: v.numpy().tobytes() for k, v in out.items()}  # bytes: equal bits compare equal (NaN too)
     out["log"] = comm_log()
     dist.destroy_process_group()
@@ -87,7 +101,8 @@ def _batch(rank: int, step: int):
                      seed=1000 * step + rank)
 
 
-def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3) -> dict[str, Any]:
+def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3,
+              memrt_hook: bool = False) -> dict[str, Any]:
     """DDP without a comm hook, AdamW; returns the parameters (bytes), the hooks DDP holds and the comm log."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -97,6 +112,11 @@ def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 
         _activate()
     init(rank, world, backend)
     model = DDP(tiny_gpt())
+    if memrt_hook:  # the established path: memrt.comm's DDP hook over a gloo default group
+        import memrt.comm as mc
+
+        mc.setup_topology()
+        mc.register_ddp_hook(model, compress="none")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     clear_log()
     for step in range(steps):
@@ -106,13 +126,13 @@ def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 
         opt.zero_grad()
     out = {"params": {k: v.detach().numpy().tobytes() for k, v in model.module.state_dict().items()},
            "log": comm_log(), "pg": type(dist.distributed_c10d._get_default_group()).__name__,
-           "hook": model._comm_hooks if hasattr(model, "_comm_hooks") else None}
+           "hook": [getattr(h, "__name__", repr(h)) for h, _ in model._comm_hooks]}
     dist.destroy_process_group()
     return out
 
 
 def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3,
-               compile_model: bool = False) -> dict[str, Any]:
+               compile_model: bool = False, custom_comms: bool = False) -> dict[str, Any]:
     """fully_shard per block + root, AdamW; the gathered state after ``steps`` and the comm log."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -127,6 +147,12 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if custom_comms:  # FSDP2's set_custom_all_gather / set_custom_reduce_scatter with memrt.comm
+        import memrt.comm as mc
+        from memrt.comm.fsdp import use_memrt_comms
+
+        mc.setup_topology()
+        use_memrt_comms(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fwd = torch.compile(model) if compile_model else model
     clear_log()
