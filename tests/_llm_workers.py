@@ -166,3 +166,50 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
     out = {"state": state, "log": log, "pg": type(dist.distributed_c10d._get_default_group()).__name__}
     dist.destroy_process_group()
     return out
+
+
+def compile_check(out_path: str, budget: int) -> None:
+    """Compiled stock vs compiled + memrt (auto then compile, and auto of the compiled model), 3 AdamW steps.
+
+    Run in a fresh process with one thread (inductor's CPU reductions split over threads are not
+    reproducible run to run) and MALLOC_MMAP_THRESHOLD_=65536 (memrt's CPU budget measure).
+    Writes a JSON summary to ``out_path``.
+    """
+    import json
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=2, d_model=64, dropout=0.0)
+
+    def run(mode: str) -> tuple[dict, Any, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied (see docs: tied + graph break)
+        if mode == "auto_then_compile":
+            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+        f = torch.compile(m)
+        if mode == "auto_of_compiled":
+            assert memrt.auto(f, budget=budget, offload="none", cache=PlanCache()) is f
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for s in range(3):
+            x, y = gpt_batch(cfg, 8, seed=s)
+            lm_loss(f(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        actions = dict(getattr(getattr(m.blocks[0], "forward", None), "ref", lambda: None)().compiled_actions) \
+            if hasattr(m.blocks[0].forward, "ref") else {}
+        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m), actions
+
+    ref, _, _ = run("stock")
+    summary: dict[str, Any] = {}
+    for mode in ("auto_then_compile", "auto_of_compiled"):
+        state, plan, actions = run(mode)
+        summary[mode] = {"equal": all(torch.equal(state[k], ref[k]) for k in ref),
+                         "actions": {u.name: u.action for u in plan.units}, "compiled_actions": actions,
+                         "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes}
+    with open(out_path, "w") as f:
+        json.dump(summary, f)

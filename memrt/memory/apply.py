@@ -40,6 +40,10 @@ class Instrumentation:
         self.units = list(units)
         self.unit_call = unit_call
         self.on_step = on_step
+        self.compiled_actions: dict[str, str] = {}
+        """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
+        self.compiled_step = False
+        """Whether the step that began last is being compiled by dynamo."""
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self._removed = False
         for name, module in self.units:
@@ -93,6 +97,10 @@ class _UnitForward:
         inst = self.ref()
         if inst is None or inst._removed:
             return self.original(*args, **kwargs)
+        if torch.compiler.is_compiling():  # inside a graph dynamo traces: the plan as checkpointed regions
+            from memrt.memory.compiled import compiled_unit_call
+
+            return compiled_unit_call(inst.compiled_actions, self.name, self.original, args, kwargs)
         return inst.unit_call(self.name, self.module, self.original, args, kwargs)
 
     @property
@@ -114,10 +122,17 @@ class _StepHook:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inst = self.ref()
         if inst is not None and not inst._removed:
-            inst._pre(module, args, kwargs)
+            # evaluated while dynamo traces (True) or in eager (False); the step's work itself runs eagerly
+            _eager_pre(inst, module, args, kwargs, torch.compiler.is_compiling())
 
     def __reduce__(self):
         return (_no_step_hook, ())
+
+
+@torch._dynamo.disable
+def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
+    inst.compiled_step = compiled
+    inst._pre(module, args, kwargs)
 
 
 def _no_step_hook() -> Callable[..., None]:
@@ -234,10 +249,19 @@ class ApplyHandle:
         self._extra_step = on_step
         self._override = unit_call
         self.inst = Instrumentation(model, find_units(model, units), unit_call=self._unit_call, on_step=self._on_step)
+        self.set_plan(plan)
 
     def set_plan(self, plan: Any) -> None:
         self.plan = plan
         self.context.plan = plan  # offload engines size themselves from it (issue 4)
+        from memrt.memory.compiled import compiled_action
+
+        actions: dict[str, str] = {}
+        for u in getattr(plan, "units", ()) if plan is not None else ():
+            act = compiled_action(u.action)  # a unit called several times: recomputed if any call is
+            if act == "recompute" or u.name not in actions:
+                actions[u.name] = act
+        self.inst.compiled_actions = actions
 
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self._calls.clear()

@@ -83,6 +83,14 @@ class _State:
             self.entry = entry
             self.handle.set_plan(entry.plan)
             return
+        if self.handle.inst.compiled_step:  # a compiled step: profiled eagerly beside it, then planned
+            from memrt.memory.compiled import shadow_profile
+
+            profile = shadow_profile(self._model(), self.units, self.device, args, kwargs,
+                                     lambda call: setattr(self.handle, "_override", call))
+            profile.signature = sig
+            self._make_plan(profile, margin=0, tries=1)
+            return
         # profile this step: every unit recomputed
         self.session = ProfileSession(self._model(), self.units, device=self.device)
         self.session.profile.signature = sig
@@ -109,7 +117,8 @@ class _State:
             measured = meter.peak
             meter.mark("step_end", "certify")
             meter.stop()
-            self._certify(measured)
+            if getattr(meter, "valid", True):  # a compiled step that compiled is measured again next step
+                self._certify(measured)
 
     def _make_plan(self, profile: Profile, *, margin: int, tries: int) -> None:
         try:
@@ -151,7 +160,12 @@ class _State:
     def _start_measure(self, inputs: Any) -> None:
         if self.budget is None:
             return
-        self.meter = make_meter(self.device)
+        if self.handle.inst.compiled_step:  # no dispatch mode under dynamo: it would run the step eagerly
+            from memrt.memory.compiled import compiled_meter
+
+            self.meter = compiled_meter(self.device)
+        else:
+            self.meter = make_meter(self.device)
         self.meter.start(known_tensors(self._model(), _flat_tensors(inputs)))
         self.meter.mark("step_begin", "certify")
 
@@ -207,6 +221,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memrt.auto expects a torch.nn.Module, got {type(model).__name__}")
+    compiled, model = model, _uncompiled(model)  # torch.compile's wrapper: plan the model it compiles
     cfg = config if config is not None else load_config(warn_unknown=False)
     disable(model)
     watch_optimizers()
@@ -217,11 +232,18 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     if cache is None:
         cache = PlanCache(cache_dir) if cache_dir is not None else default_cache()
     _STATES[model] = _State(model, budget_bytes, units=units, offload=off, cache=cache, offload_dir=cfg.offload_dir)
-    return model
+    return compiled
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its forward is what the compiled graph traces), else ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
 def plan_of(model: nn.Module) -> Plan | None:
     """The plan in force on ``model`` (None before the first plan or without memrt)."""
+    model = _uncompiled(model)
     st = _STATES.get(model)
     if st is not None:
         return st.entry.plan if st.entry is not None else None
@@ -233,10 +255,11 @@ def plan_of(model: nn.Module) -> Plan | None:
 
 def disable(model: nn.Module) -> nn.Module:
     """Remove every hook memrt installed on ``model`` (auto or apply); the model is as before."""
+    outer, model = model, _uncompiled(model)
     st = _STATES.pop(model, None)
     if st is not None:
         st.close()
     from memrt.memory.apply import remove
 
     remove(model)
-    return model
+    return outer
