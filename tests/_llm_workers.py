@@ -132,7 +132,8 @@ def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 
 
 
 def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3,
-               compile_model: bool = False, custom_comms: bool = False) -> dict[str, Any]:
+               compile_model: bool = False, custom_comms: bool = False, budget: Any = None,
+               n_layer: int = 2) -> dict[str, Any]:
     """fully_shard per block + root, AdamW; the gathered state after ``steps`` and the comm log."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -143,7 +144,7 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
         _activate()
     init(rank, world, backend)
     mesh = init_device_mesh("cpu", (world,))
-    model = tiny_gpt()
+    model = tiny_gpt(n_layer=n_layer)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -153,6 +154,11 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
 
         mc.setup_topology()
         use_memrt_comms(model)
+    if budget is not None:
+        import memrt
+        from memrt.memory.cache import PlanCache
+
+        memrt.auto(model, budget=budget, offload="none", cache=PlanCache())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fwd = torch.compile(model) if compile_model else model
     clear_log()
@@ -164,6 +170,13 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
     log = comm_log()
     state = {k: v.full_tensor().detach().numpy().tobytes() for k, v in model.state_dict().items()}
     out = {"state": state, "log": log, "pg": type(dist.distributed_c10d._get_default_group()).__name__}
+    if budget is not None:
+        import memrt
+
+        plan = memrt.plan_of(model)
+        out["plan"] = None if plan is None else {"actions": {u.name: u.action for u in plan.units},
+                                                  "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes,
+                                                  "predicted": plan.predicted_peak_bytes}
     dist.destroy_process_group()
     return out
 
@@ -213,3 +226,39 @@ def compile_check(out_path: str, budget: int) -> None:
                          "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes}
     with open(out_path, "w") as f:
         json.dump(summary, f)
+
+
+def fsdp_planned(rank: int, world: int, budgets: list[int]) -> dict[str, Any]:
+    """FSDP2 (fully_shard per block) without memrt, then with memrt.auto at each budget: gathered states, plans."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import lm_loss
+
+    init(rank, world, "gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for budget in [None, *budgets]:
+        model = tiny_gpt(n_layer=4)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if budget is not None:
+            memrt.auto(model, budget=budget, offload="none", cache=PlanCache())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            x, y = _batch(rank, step)
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        state = {k: v.full_tensor().detach().numpy().tobytes() for k, v in model.state_dict().items()}
+        plan = memrt.plan_of(model) if budget is not None else None
+        out[str(budget)] = {"state": state, "plan": None if plan is None else {
+            "actions": {u.name: u.action for u in plan.units}, "measured": plan.measured_peak_bytes,
+            "predicted": plan.predicted_peak_bytes}}
+        if budget is not None:
+            memrt.disable(model)
+    dist.destroy_process_group()
+    return out

@@ -44,6 +44,8 @@ class Instrumentation:
         """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
         self.compiled_step = False
         """Whether the step that began last is being compiled by dynamo."""
+        self.outside_graph = _pre_outside_graph() if on_step else _eager_pre
+        """The step hook's body as dynamo sees it: run eagerly, never traced (a graph break)."""
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self._removed = False
         for name, module in self.units:
@@ -123,16 +125,30 @@ class _StepHook:
         inst = self.ref()
         if inst is not None and not inst._removed:
             # evaluated while dynamo traces (True) or in eager (False); the step's work itself runs eagerly
-            _eager_pre(inst, module, args, kwargs, torch.compiler.is_compiling())
+            if torch.compiler.is_compiling():
+                inst.outside_graph(inst, module, args, kwargs, True)
+            else:
+                _eager_pre(inst, module, args, kwargs, False)
 
     def __reduce__(self):
         return (_no_step_hook, ())
 
 
-@torch._dynamo.disable
 def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
     inst.compiled_step = compiled
     inst._pre(module, args, kwargs)
+
+
+_OUTSIDE_GRAPH: list[Callable[..., None]] = []
+
+
+def _pre_outside_graph() -> Callable[..., None]:
+    """:func:`_eager_pre` that dynamo never traces (``torch._dynamo`` imported on first use, not at import)."""
+    if not _OUTSIDE_GRAPH:
+        import torch._dynamo
+
+        _OUTSIDE_GRAPH.append(torch._dynamo.disable(_eager_pre))
+    return _OUTSIDE_GRAPH[0]
 
 
 def _no_step_hook() -> Callable[..., None]:
