@@ -417,6 +417,15 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _AllWork(works, outputs)
 
+    def barrier(self, opts: Any = None) -> Any:
+        """The real backend's barrier (on the device c10d chose for it, else the first backend's)."""
+        from torch._C._distributed_c10d import BarrierOptions
+
+        opts = opts if opts is not None else BarrierOptions()
+        device = getattr(opts, "device", None)
+        kind = device.type if device is not None and device.type in self._inner else next(iter(self._inner))
+        return self._inner[kind].barrier(opts)
+
     # ------------------------------------------------------------------ sub-groups and pass-through
     def _flat(self, op: str, t: torch.Tensor, call: Any, reduce_op: Any = None) -> Any:
         """The real backend's collective, recorded in the comm log (tiers from the group's ranks)."""

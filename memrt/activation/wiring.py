@@ -42,7 +42,7 @@ def _missing(exc: ImportError, prefix: str) -> bool:
     return isinstance(exc, ModuleNotFoundError) and (name == prefix or name.startswith(prefix + "."))
 
 
-def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
+def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: str | None = None) -> None:
     try:
         import memrt.memory  # noqa: F401 - the planner's package (issue 3)
         from memrt import auto, disable
@@ -53,7 +53,7 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
         logger.debug("memrt.memory not importable: no memory plan")
         return
     try:
-        auto(module, budget=sess.config.budget)  # the parsed Budget itself: a share resolves on this rank's device
+        auto(module, budget=sess.config.budget, offload=offload)  # a share resolves on this rank's device
     except Exception:
         try:
             disable(module)
@@ -176,13 +176,33 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
 
 
 def note_fully_shard(sess: Session, module: Any) -> None:
-    """Record an FSDP2-sharded module in the report (memory plans for FSDP2 are not applied yet)."""
+    """Record an FSDP2-sharded module in the report; plan memory for a model that holds sharded blocks."""
     try:
         from memrt.comm.backend import default_is_memrt
 
         comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
     except ImportError:
         comm = "fsdp2 own"
-    sess.models.append({"kind": "fsdp2", "module": type(module).__name__,
-                        "parameters": sum(p.numel() for p in module.parameters()),
-                        "memory": "not planned (FSDP2 planning is not supported yet)", "comm_hook": comm})
+    entry: dict[str, Any] = {"kind": "fsdp2", "module": type(module).__name__,
+                             "parameters": sum(p.numel() for p in module.parameters()),
+                             "memory": "planned with the module that shards it and its blocks", "comm_hook": comm,
+                             "budget": str(sess.config.budget) if sess.config.budget else None,
+                             "device": _device_of(module)}
+    sess.models.append(entry)
+    if not _shards_blocks(module):
+        return
+    # the torchtitan pattern: fully_shard per block, then on the model; the model is planned with its
+    # sharded blocks as units (plans never change numerics or collectives, so ranks may differ)
+    try:  # keep / recompute only: offloading the activations of sharded blocks is not supported yet
+        _plan_memory(sess, module, entry, offload="none")
+    except Exception as exc:  # noqa: BLE001
+        _session.fail("memory plan for FSDP2", exc)
+
+
+def _shards_blocks(module: Any) -> bool:
+    """True when ``module`` holds other fully_shard modules (it is the model of a per-block FSDP2 job)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
