@@ -12,6 +12,7 @@ offload actions (``offload_<tier>``, ``recompute+offload_<tier>``), which use
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Any, Callable, Protocol, Sequence
 
@@ -44,8 +45,8 @@ class Instrumentation:
         """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
         self.compiled_step = False
         """Whether the step that began last is being compiled by dynamo."""
-        self.outside_graph = _pre_outside_graph() if on_step else _eager_pre
-        """The step hook's body as dynamo sees it: run eagerly, never traced (a graph break)."""
+        if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
+            _pre_outside_graph()
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self._removed = False
         for name, module in self.units:
@@ -126,8 +127,10 @@ class _StepHook:
         if inst is not None and not inst._removed:
             # evaluated while dynamo traces (True) or in eager (False); the step's work itself runs eagerly
             if torch.compiler.is_compiling():
-                inst.outside_graph(inst, module, args, kwargs, True)
+                (_OUTSIDE_GRAPH[0] if _OUTSIDE_GRAPH else _pre_outside_graph())(inst, module, args, kwargs, True)
             else:
+                if not _OUTSIDE_GRAPH and "torch._dynamo" in sys.modules:  # ready before dynamo traces a step
+                    _pre_outside_graph()
                 _eager_pre(inst, module, args, kwargs, False)
 
     def __reduce__(self):
@@ -143,7 +146,8 @@ _OUTSIDE_GRAPH: list[Callable[..., None]] = []
 
 
 def _pre_outside_graph() -> Callable[..., None]:
-    """:func:`_eager_pre` that dynamo never traces (``torch._dynamo`` imported on first use, not at import)."""
+    """:func:`_eager_pre` that dynamo never traces; made once ``torch._dynamo`` is imported (never imports it
+    for an eager-only job)."""
     if not _OUTSIDE_GRAPH:
         import torch._dynamo
 
