@@ -139,8 +139,10 @@ def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, h
     On NCCL every set-up collective runs on :func:`memrt.comm.streams.setup_device` (``device``, a
     collective's tensor device, first): never on cuda:0 of every rank.
     """
+    from memrt.comm.backend import internal_groups
+
     dev = streams.setup_device(device, device_id=device_id)
-    with streams.on_device(dev):
+    with streams.on_device(dev), internal_groups():  # under the memrt process group, tier groups are plain gloo / NCCL
         return _setup_topology(mpi_job=mpi_job, intra_backend=intra_backend, health=health, device=dev)
 
 
@@ -451,8 +453,10 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
         else:
             timer.finish(name, t, nbytes, start, tier, predicted, redop, reason)
 
-    try:
-        with (_st.health.inside(name) if _st.health is not None else _null()):
+    from memrt.comm.backend import passthrough
+
+    try:  # passthrough: a memrt process group underneath runs this flat call as it is (no second routing)
+        with (_st.health.inside(name) if _st.health is not None else _null()), passthrough():
             work = call()
     except Exception as exc:  # noqa: BLE001
         _raise_diagnosed(name, exc)

@@ -4,8 +4,9 @@
 to finish importing, then wraps, in place:
 
 - ``torch.distributed.init_process_group``: validates the settings first (bad ones exit 2 before any
-  rendezvous), supplies an MPI rendezvous when the job runs under mpiexec without ``MASTER_ADDR``, calls
-  the original, compares the settings every rank must share (:mod:`memrt.agreement`: a mismatch exits 2
+  rendezvous), supplies an MPI rendezvous when the job runs under mpiexec without ``MASTER_ADDR``, swaps
+  a gloo / NCCL backend for memrt's process group (:mod:`memrt.comm.backend`: every collective of the
+  job through memrt; not under ``MEMRT_COMM=off``), calls the original, compares the settings every rank must share (:mod:`memrt.agreement`: a mismatch exits 2
   on every rank), then begins the session (run id, topology, banner, report at exit).
 - ``DistributedDataParallel.__init__``: after the original, plans memory for the wrapped module
   (``memrt.auto``) and, when every rank of the DDP group is ready, registers memrt.comm's gradient hook.
@@ -232,6 +233,7 @@ def _wrap_init_process_group(original: Callable) -> Callable:
             kwargs = rendezvous_kwargs(args, kwargs)
         except Exception as exc:  # noqa: BLE001
             _session.fail("MPI rendezvous", exc)
+        args, kwargs, switched = _memrt_backend(args, kwargs, config)
         result = original(*args, **kwargs)
         if not _session.is_off():
             _agree(config)  # SystemExit(2) when the ranks' settings differ, before memrt's first collective
@@ -240,11 +242,26 @@ def _wrap_init_process_group(original: Callable) -> Callable:
                 from memrt.activation.report import begin
 
                 begin(config)
+                if switched:
+                    from memrt.comm.backend import ensure_topology
+
+                    ensure_topology()  # collective: every rank is here, right after init
             except Exception as exc:  # noqa: BLE001
                 _session.fail("start-up after init_process_group", exc)
         return result
 
     return init_process_group
+
+
+def _memrt_backend(args: tuple, kwargs: dict, config: Any) -> tuple[tuple, dict, bool]:
+    """The script's backend replaced by memrt's process group (memrt.comm.backend), when it can carry it."""
+    try:
+        from memrt.comm.backend import activation_kwargs
+
+        return activation_kwargs(args, kwargs, config.comm)
+    except Exception as exc:  # noqa: BLE001 - torch's own backend then, as the script asked
+        _session.fail("memrt process group", exc)
+        return args, kwargs, False
 
 
 _DESTROYING = threading.local()

@@ -48,7 +48,7 @@ def _missing(exc: ImportError, prefix: str) -> bool:
     return isinstance(exc, ModuleNotFoundError) and (name == prefix or name.startswith(prefix + "."))
 
 
-def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
+def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: str | None = None) -> None:
     try:
         import memrt.memory  # noqa: F401 - the planner's package (issue 3)
         from memrt import auto, disable
@@ -59,7 +59,7 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any]) -> None:
         logger.debug("memrt.memory not importable: no memory plan")
         return
     try:
-        auto(module, budget=sess.config.budget)  # the parsed Budget itself: a share resolves on this rank's device
+        auto(module, budget=sess.config.budget, offload=offload)  # a share resolves on this rank's device
     except Exception:
         try:
             disable(module)
@@ -101,10 +101,17 @@ def _guard_steps(module: Any) -> bool:
     return True
 
 
-def _comm_hook_wanted(sess: Session, entry: dict[str, Any]) -> Any:
+def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> Any:
     """memrt.comm.register_ddp_hook when this rank can use it, else None (reason in ``entry``)."""
     if sess.config.comm == "off":
         entry["comm_hook"] = "off (MEMRT_COMM=off)"
+        return None
+    try:
+        from memrt.comm.backend import is_memrt_group
+    except ImportError:
+        is_memrt_group = None
+    if is_memrt_group is not None and is_memrt_group(getattr(ddp, "process_group", None)):
+        entry["comm_hook"] = "memrt.comm process group (no hook needed)"
         return None
     try:
         from memrt.comm import register_ddp_hook
@@ -238,7 +245,7 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     if not _session.is_off():
         try:
             _plan_memory(sess, module, entry)
-            register = _comm_hook_wanted(sess, entry)
+            register = _comm_hook_wanted(sess, entry, ddp)
         except Exception as exc:  # noqa: BLE001
             _session.fail("memory plan for DistributedDataParallel", exc)
             register = None
@@ -280,7 +287,33 @@ def _balance_ready(sess: Session, _ddp: Any, ranks: list[int]) -> bool:
 
 
 def note_fully_shard(sess: Session, module: Any) -> None:
-    """Record an FSDP2-sharded module in the report (memory plans for FSDP2 are not applied yet)."""
-    sess.models.append({"kind": "fsdp2", "module": type(module).__name__,
-                        "parameters": sum(p.numel() for p in module.parameters()),
-                        "memory": "not planned (FSDP2 planning is not supported yet)", "comm_hook": "fsdp2 own"})
+    """Record an FSDP2-sharded module in the report; plan memory for a model that holds sharded blocks."""
+    try:
+        from memrt.comm.backend import default_is_memrt
+
+        comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
+    except ImportError:
+        comm = "fsdp2 own"
+    entry: dict[str, Any] = {"kind": "fsdp2", "module": type(module).__name__,
+                             "parameters": sum(p.numel() for p in module.parameters()),
+                             "memory": "planned with the module that shards it and its blocks", "comm_hook": comm,
+                             "budget": str(sess.config.budget) if sess.config.budget else None,
+                             "device": _device_of(module)}
+    sess.models.append(entry)
+    if not _shards_blocks(module):
+        return
+    # the torchtitan pattern: fully_shard per block, then on the model; the model is planned with its
+    # sharded blocks as units (plans never change numerics or collectives, so ranks may differ)
+    try:  # keep / recompute only: offloading the activations of sharded blocks is not supported yet
+        _plan_memory(sess, module, entry, offload="none")
+    except Exception as exc:  # noqa: BLE001
+        _session.fail("memory plan for FSDP2", exc)
+
+
+def _shards_blocks(module: Any) -> bool:
+    """True when ``module`` holds other fully_shard modules (it is the model of a per-block FSDP2 job)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)

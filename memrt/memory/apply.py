@@ -12,6 +12,7 @@ offload actions (``offload_<tier>``, ``recompute+offload_<tier>``), which use
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Any, Callable, Protocol, Sequence
 
@@ -46,6 +47,12 @@ class Instrumentation:
         self.on_step = on_step
         self.on_other = on_other
         self.on_output = on_output
+        self.compiled_actions: dict[str, str] = {}
+        """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
+        self.compiled_step = False
+        """Whether the step that began last is being compiled by dynamo."""
+        if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
+            _pre_outside_graph()
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self._removed = False
         for name, module in self.units:
@@ -109,6 +116,10 @@ class _UnitForward:
         inst = self.ref()
         if inst is None or inst._removed:
             return self.original(*args, **kwargs)
+        if torch.compiler.is_compiling():  # inside a graph dynamo traces: the plan as checkpointed regions
+            from memrt.memory.compiled import compiled_unit_call
+
+            return compiled_unit_call(inst.compiled_actions, self.name, self.original, args, kwargs)
         return inst.unit_call(self.name, self.module, self.original, args, kwargs)
 
     @property
@@ -130,10 +141,34 @@ class _StepHook:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inst = self.ref()
         if inst is not None and not inst._removed:
-            inst._pre(module, args, kwargs)
+            # evaluated while dynamo traces (True) or in eager (False); the step's work itself runs eagerly
+            if torch.compiler.is_compiling():
+                (_OUTSIDE_GRAPH[0] if _OUTSIDE_GRAPH else _pre_outside_graph())(inst, module, args, kwargs, True)
+            else:
+                if not _OUTSIDE_GRAPH and "torch._dynamo" in sys.modules:  # ready before dynamo traces a step
+                    _pre_outside_graph()
+                _eager_pre(inst, module, args, kwargs, False)
 
     def __reduce__(self):
         return (_no_step_hook, ())
+
+
+def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
+    inst.compiled_step = compiled
+    inst._pre(module, args, kwargs)
+
+
+_OUTSIDE_GRAPH: list[Callable[..., None]] = []
+
+
+def _pre_outside_graph() -> Callable[..., None]:
+    """:func:`_eager_pre` that dynamo never traces; made once ``torch._dynamo`` is imported (never imports it
+    for an eager-only job)."""
+    if not _OUTSIDE_GRAPH:
+        import torch._dynamo
+
+        _OUTSIDE_GRAPH.append(torch._dynamo.disable(_eager_pre))
+    return _OUTSIDE_GRAPH[0]
 
 
 def _no_step_hook() -> Callable[..., None]:
@@ -277,10 +312,19 @@ class ApplyHandle:
         self._override = unit_call
         self.inst = Instrumentation(model, find_units(model, units), unit_call=self._unit_call, on_step=self._on_step,
                                     on_other=on_other, on_output=on_output)
+        self.set_plan(plan)
 
     def set_plan(self, plan: Any) -> None:
         self.plan = plan
         self.context.plan = plan  # offload engines size themselves from it (issue 4)
+        from memrt.memory.compiled import compiled_action
+
+        actions: dict[str, str] = {}
+        for u in getattr(plan, "units", ()) if plan is not None else ():
+            act = compiled_action(u.action)  # a unit called several times: recomputed if any call is
+            if act == "recompute" or u.name not in actions:
+                actions[u.name] = act
+        self.inst.compiled_actions = actions
 
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self._calls.clear()

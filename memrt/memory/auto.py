@@ -135,6 +135,14 @@ class _State:
             self._make_plan(profile, margin=0, tries=1, scale=shape_scale(shapes, bucket_shapes(self.shapes)))
             self._maybe_measure((args, kwargs))
             return
+        if self.handle.inst.compiled_step:  # a compiled step: profiled eagerly beside it, then planned
+            from memrt.memory.compiled import shadow_profile
+
+            profile = shadow_profile(self._model(), self.units, self.device, args, kwargs,
+                                     lambda call: setattr(self.handle, "_override", call))
+            profile.signature = sig
+            self._make_plan(profile, margin=0, tries=1)
+            return
         # profile this step: every unit recomputed
         self.session = ProfileSession(self._model(), self.units, device=self.device)
         self.session.profile.signature = signature_of(self.shapes)
@@ -227,6 +235,8 @@ class _State:
             meter.stop()
             if not self._step_was_training():  # no backward: measure the next step instead
                 self._not_a_step(profiled=False)
+                return
+            if not getattr(meter, "valid", True):  # a compiled step that compiled is measured again next step
                 return
             self._note_shapes()
             self._note_untracked(live)
@@ -332,7 +342,12 @@ class _State:
 
     def _start_measure(self, inputs: Any) -> None:
         self.backward_seen = False
-        self.meter = make_meter(self.device)
+        if self.handle.inst.compiled_step:  # no dispatch mode under dynamo: it would run the step eagerly
+            from memrt.memory.compiled import compiled_meter
+
+            self.meter = compiled_meter(self.device)
+        else:
+            self.meter = make_meter(self.device)
         self.meter.start(known_tensors(self._model(), _flat_tensors(inputs)))
         self.meter.mark("step_begin", "certify")
 
@@ -403,6 +418,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     (default MEMRT_OFFLOAD). ``cache_dir``: also keep plans on disk there; ``cache``: a :class:`PlanCache`.
     """
     expect_module("memrt.auto", model)
+    compiled, model = model, _uncompiled(model)  # torch.compile's wrapper: plan the model it compiles
     cfg = config if config is not None else load_config(warn_unknown=False)
     disable(model)
     watch_optimizers()
@@ -413,12 +429,18 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     if cache is None:
         cache = PlanCache(cache_dir) if cache_dir is not None else default_cache()
     _STATES[model] = _State(model, budget_bytes, units=units, offload=off, cache=cache, offload_dir=cfg.offload_dir)
-    return model
+    return compiled
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its forward is what the compiled graph traces), else ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
 def plan_of(model: nn.Module) -> Plan | None:
     """The plan in force on ``model`` (None before the first plan or without memrt)."""
-    st = _STATES.get(expect_module("memrt.plan_of", model))
+    st = _STATES.get(_uncompiled(expect_module("memrt.plan_of", model)))
     if st is not None:
         return st.entry.plan if st.entry is not None else None
     from memrt.memory.apply import _HANDLES
@@ -429,10 +451,11 @@ def plan_of(model: nn.Module) -> Plan | None:
 
 def disable(model: nn.Module) -> nn.Module:
     """Remove every hook memrt installed on ``model`` (auto or apply); the model is as before."""
-    st = _STATES.pop(expect_module("memrt.disable", model), None)
+    outer, model = model, _uncompiled(expect_module("memrt.disable", model))
+    st = _STATES.pop(model, None)
     if st is not None:
         st.close()
     from memrt.memory.apply import remove
 
     remove(model)
-    return model
+    return outer

@@ -1,0 +1,169 @@
+"""Compiled memory frontier: memrt's plans under torch.compile against torch.compile's own memory knobs.
+
+Command (full: several minutes per compiled arm on 2 cores; --quick: one workload, few arms, ~5 min):
+
+    cd /work/main && .venv/bin/python -m benchmarks.compile_frontier [--quick] [--workloads gpt,cnn] [--out DIR]
+
+Arms (same workloads, batch, AdamW step and outside peak measure as benchmarks/memory_frontier.py, whose
+helpers this reuses), all compiled by inductor in this one run:
+
+- ``compiled``: ``torch.compile`` of the model, no checkpointing (the baseline ratios are taken against);
+- ``compiled+every_block``: ``torch.utils.checkpoint`` (non-reentrant) around every block, compiled;
+- ``compile_budget=B``: ``torch._functorch.config.activation_memory_budget = B`` (torch.compile's own
+  memory/time frontier);
+- ``memrt+compile@B``: ``memrt.auto(model, budget=B, offload="none")`` then ``torch.compile``: memrt's plan
+  as checkpointed regions inside the graph, at budgets swept between memrt's keep-all peak and its
+  smallest feasible budget.
+
+Output: a table per workload, ``<out>/compile_frontier.json``, and whether every compiled baseline point
+is covered by a memrt point (peak <= 1.02x and time <= 1.02x, same run).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from typing import Any
+
+import torch
+
+import benchmarks.memory_frontier as mf
+from benchmarks._common import (base_parser, ensure_mmap_threshold, exit_code, fail_line, failures, fmt_bytes, fmt_ratio,
+                                machine_info, machine_line, print_table, write_json)
+
+__all__ = ["main", "compiled_arms"]
+
+
+def _compiled_arm(w: mf.Workload, name: str, run_blocks: Any) -> mf.Arm:
+    torch._dynamo.reset()
+    return mf._new_arm(w, name, lambda m: torch.compile(mf._blockwise(w, m, run_blocks)))
+
+
+def _warm(w: mf.Workload, arm: mf.Arm, steps: int) -> None:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mf._step(w, arm)
+    arm.note = (arm.note + "; " if arm.note else "") + f"compile+{steps} steps {time.perf_counter() - t0:.0f} s"
+
+
+def compiled_arms(w: mf.Workload, *, memrt_budgets: list[int], compile_budgets: list[float]) -> tuple[list[mf.Arm], list[dict]]:
+    """Every compiled arm of workload ``w`` (warmed: compiled, memrt planned and certified); notes of failures.
+
+    memrt's arms come first and are made while no baseline model is alive (memrt's CPU budget counts every
+    live CPU tensor of the process). The caller measures them with ``memory_frontier._measure``.
+    """
+    import memrt
+
+    arms: list[mf.Arm] = []
+    notes: list[dict] = []
+    todo, tried = list(memrt_budgets), set()
+    while todo:
+        b = todo.pop(0)
+        tried.add(b)
+        name = f"memrt+compile@{fmt_bytes(b)}"
+        try:
+            torch._dynamo.reset()
+            arm = mf._new_arm(w, name, lambda m: m)
+            memrt.auto(arm.model, budget=int(b), offload="none")
+            arm.forward = torch.compile(arm.model)
+            _warm(w, arm, 4)  # compile + shadow profile, plan, re-plan if over, certify a compiled step
+            plan = memrt.plan_of(arm.model)
+            if plan is not None:
+                kinds = sorted({u.action for u in plan.units})
+                arm.note = f"{sum(u.action != 'keep' for u in plan.units)} of {len(plan.units)} recomputed " \
+                           f"({', '.join(kinds)}); certified {fmt_bytes(plan.measured_peak_bytes)}; " + arm.note
+            arms.append(arm)
+        except memrt.BudgetError as exc:  # the compiled step measured over: memrt names the budget that fits
+            least = exc.min_feasible_bytes
+            if least is None or least <= b:
+                notes.append(fail_line(name, f"BudgetError: {str(exc)[:300]}"))
+            else:
+                print(f"note {name}: infeasible compiled, smallest feasible {fmt_bytes(least)}; measuring that",
+                      flush=True)
+                notes.append({"arm": name, "infeasible": str(exc)[:300]})
+                if least not in tried and least not in todo:
+                    todo.append(int(least))
+        except Exception as exc:  # noqa: BLE001 - reported, fails the benchmark
+            notes.append(fail_line(name, f"{type(exc).__name__}: {str(exc)[:300]}"))
+    for name, run_blocks in (("compiled", mf._plain), ("compiled+every_block", mf._ckpt_every(1))):
+        try:
+            arm = _compiled_arm(w, name, run_blocks)
+            _warm(w, arm, 2)
+            arms.append(arm)
+        except Exception as exc:  # noqa: BLE001
+            notes.append(fail_line(name, f"{type(exc).__name__}: {str(exc)[:300]}"))
+    import torch._functorch.config as fconfig
+
+    for b in compile_budgets:
+        name = f"compile_budget={b}"
+        try:
+            torch._dynamo.reset()
+            arm = mf._new_arm(w, name, lambda m: torch.compile(m))
+            with fconfig.patch(activation_memory_budget=b):
+                _warm(w, arm, 2)
+            arms.append(arm)
+        except Exception as exc:  # noqa: BLE001
+            notes.append(fail_line(name, f"{type(exc).__name__}: {str(exc)[:300]}"))
+    return arms, notes
+
+
+def run_workload(key: str, w: mf.Workload, args: Any) -> dict[str, Any]:
+    print(f"\n=== {key} (compiled): {w.name} ===", flush=True)
+    scale = mf._memrt_scale(w)
+    if scale is None:
+        return {"workload": w.name, "rows": [], "skipped": [fail_line("memrt", "no memrt scale")]}
+    lo, hi = scale
+    fracs = [1.0, 0.0] if args.quick else [1.0, 0.5, 0.25, 0.0]
+    gc.collect()
+    arms, notes = compiled_arms(w, memrt_budgets=[int(lo + f * (hi - lo)) for f in fracs],
+                                compile_budgets=args.compile_budgets)
+    notes += mf._measure(w, arms, args.rounds)
+    base = [a for a in arms if not a.name.startswith("memrt")]
+    if not base or not base[0].times_s:
+        return {"workload": w.name, "rows": [], "skipped": notes}
+    ref = next((a for a in base if a.name == "compiled"), base[0])
+    t_ref = mf._median(ref.times_s)
+    rows = []
+    for a in base + [a for a in arms if a.name.startswith("memrt")]:
+        t = mf._median(a.times_s)
+        rows.append({"arm": a.name, "peak_bytes": a.peak_bytes, "step_s": t, "step_samples_s": a.times_s,
+                     "time_vs_compiled": t / t_ref, "peak_vs_compiled": a.peak_bytes / ref.peak_bytes, "note": a.note,
+                     "memrt": a.name.startswith("memrt")})
+    mf._dominance(rows)
+    print_table(["arm", "peak", "peak/compiled", "step ms", "time/compiled", "covered by / covers", "note"],
+                [[r["arm"], fmt_bytes(r["peak_bytes"]), f"{r['peak_vs_compiled']:.2f}", f"{r['step_s'] * 1e3:.0f}",
+                  fmt_ratio(r["time_vs_compiled"]), r["dominance"], r["note"]] for r in rows],
+                title=f"{key}: {w.name} compiled (baseline: compiled, same run)")
+    return {"workload": w.name, "rows": rows, "skipped": notes, "memrt_dominates": mf._verdict(rows),
+            "not_covered": [r["arm"] for r in rows if not r["memrt"] and not r.get("covered_by_memrt")]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__)
+    p.add_argument("--workloads", default="gpt,cnn", help="comma list of gpt, cnn (default: %(default)s; --quick: gpt)")
+    p.add_argument("--rounds", type=int, default=None, help="timing rounds per arm (default 2 quick, 7 full)")
+    p.add_argument("--compile-budgets", default=None,
+                   help="activation_memory_budget values (default 1.0,0.5,0.1; --quick 0.5)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 7)
+    budgets = args.compile_budgets or ("0.5" if args.quick else "1.0,0.5,0.1")
+    args.compile_budgets = [float(b) for b in budgets.split(",") if b.strip()]
+    workloads = "gpt" if args.quick and args.workloads == "gpt,cnn" else args.workloads
+    torch.set_num_threads(args.threads)
+    info = machine_info()
+    print(machine_line(info), flush=True)
+    wls = mf._workloads(args.quick)
+    results = {k: run_workload(k, wls[k], args) for k in workloads.split(",")}
+    write_json(args.out, "compile_frontier", {"machine": info, "quick": args.quick, "results": results,
+                                              "failed": failures()})
+    for k, r in results.items():
+        print(f"{k}: memrt's compiled points cover every compiled baseline point (<= {1 + mf.TOLERANCE:.2f}x peak "
+              f"and time): {r.get('memrt_dominates')}; not covered: {', '.join(r.get('not_covered', [])) or 'none'}")
+    return exit_code()
+
+
+if __name__ == "__main__":
+    ensure_mmap_threshold()
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""The ``memrt`` process group: every collective of the job goes through memrt.comm's algorithms.
+
+``torch.distributed.init_process_group(backend="memrt")`` (or, under ``MEMRT=1``, any
+``init_process_group(backend="gloo" | "nccl" | None)``, rewritten by the activation) creates a
+:class:`MemrtProcessGroup`: a Python ``ProcessGroup`` subclass registered with
+``torch.distributed.Backend.register_backend``. Each group owns real backends underneath (gloo for CPU
+tensors, NCCL for CUDA tensors when asked for) and forwards every call to them, except the collectives
+memrt improves, which on the world group go through :mod:`memrt.comm.api` (algorithm chosen per call:
+hierarchical, compressed on the slow tier, a ``CommRecord`` per call).
+
+Why a process group and not FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` or a DDP
+comm hook: every caller ends in a method of the group object. Python callers (``dist.all_reduce``,
+``dist.all_gather_single`` as FSDP2 and DeviceMesh use them) look the method up on the Python object;
+C++ callers (DDP's reducer, ``_c10d_functional`` ops that compiled graphs run) call the virtual method,
+which pybind's trampoline sends to the same Python method. One object therefore carries DDP without a
+hook, FSDP2 eager and compiled, DeviceMesh groups and plain calls. Methods memrt does not improve are
+not even overridden: the real backends are also registered on the group per device, so c10d's own
+dispatch reaches them unchanged.
+
+memrt's algorithms run on groups created inside :func:`internal_groups` (plain gloo / NCCL, never a
+memrt group), and calls made while memrt is already inside a collective on this thread go straight to
+the real backend: nothing recurses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as tdist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
+                                        BroadcastOptions, ReduceScatterOptions)
+
+__all__ = ["BACKEND_NAME", "MemrtProcessGroup", "register", "internal_groups", "passthrough", "inner_spec",
+           "set_inner_spec", "is_memrt_group", "default_is_memrt", "ensure_topology", "activation_kwargs"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "memrt"
+"""The name to pass to ``init_process_group(backend=...)``."""
+
+_REDUCE_OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+_local = threading.local()
+_lock = threading.Lock()
+_registered = False
+_inner = {"cpu": "gloo"}  # device type -> real backend used underneath new memrt groups
+
+
+def inner_spec() -> dict[str, str]:
+    """Device type -> real backend under memrt groups created from now on (``{"cpu": "gloo"}`` by default)."""
+    return dict(_inner)
+
+
+def set_inner_spec(backend: str | None) -> None:
+    """The real backend(s) under memrt groups, from what the script asked ``init_process_group`` for.
+
+    ``None`` / ``"gloo"``: gloo for CPU tensors, plus NCCL for CUDA tensors when CUDA is available with
+    NCCL and ``None`` was given (torch's own default); ``"nccl"``: NCCL for CUDA, gloo for CPU;
+    ``"cpu:gloo,cuda:nccl"`` as written.
+    """
+    spec: dict[str, str] = {}
+    text = (backend or "").strip().lower()
+    cuda_ok = torch.cuda.is_available() and tdist.is_nccl_available()
+    if ":" in text:
+        for part in text.split(","):
+            dev, _, name = part.partition(":")
+            spec[dev.strip()] = name.strip()
+    elif text in ("", "undefined"):
+        spec = {"cpu": "gloo", **({"cuda": "nccl"} if cuda_ok else {})}
+    elif text == "gloo":
+        spec = {"cpu": "gloo", "cuda": "gloo"} if torch.cuda.is_available() else {"cpu": "gloo"}
+    elif text == "nccl":
+        spec = {"cpu": "gloo", "cuda": "nccl"}
+    else:
+        raise ValueError(f"backend={backend!r} cannot run under memrt's process group: expected gloo, nccl, "
+                         "None or 'cpu:gloo,cuda:nccl' (set MEMRT_COMM=off to keep torch's own backend)")
+    bad = {d: n for d, n in spec.items() if n not in ("gloo", "nccl")}
+    if bad:
+        raise ValueError(f"backend={backend!r}: {bad} is not supported under memrt (gloo or nccl per device)")
+    _inner.clear()
+    _inner.update(spec)
+
+
+@contextlib.contextmanager
+def internal_groups() -> Iterator[None]:
+    """Groups created inside (by memrt itself) are plain gloo / NCCL groups, never memrt groups."""
+    depth = getattr(_local, "internal", 0)
+    _local.internal = depth + 1
+    try:
+        yield
+    finally:
+        _local.internal = depth
+
+
+@contextlib.contextmanager
+def passthrough() -> Iterator[None]:
+    """Collectives issued on this thread inside go straight to the real backends (memrt is already in)."""
+    depth = getattr(_local, "busy", 0)
+    _local.busy = depth + 1
+    try:
+        yield
+    finally:
+        _local.busy = depth
+
+
+def _busy() -> bool:
+    return getattr(_local, "busy", 0) > 0
+
+
+def _real_backend(name: str, store: Any, rank: int, size: int, timeout: Any, ranks: list[int], group: str) -> Any:
+    if name == "gloo":
+        be = tdist.ProcessGroupGloo(store, rank, size, timeout)
+        be.options.global_ranks_in_group = ranks
+        be.options.group_name = group
+        return be
+    opts = tdist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    opts.global_ranks_in_group = ranks
+    opts.group_name = group
+    return tdist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def _create(dist_opts: Any, backend_options: Any) -> Any:
+    """``Backend.register_backend`` creator (extended API): a memrt group, or a real one inside memrt."""
+    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    ranks = list(dist_opts.global_ranks_in_group)
+    name = dist_opts.group_id
+    if getattr(_local, "internal", 0) > 0:  # memrt's own tier groups: a plain real backend (CPU side)
+        return _real_backend(_inner.get("cpu", "gloo"), tdist.PrefixStore("cpu/", store), rank, size,
+                             dist_opts.timeout, ranks, name)
+    return MemrtProcessGroup(store, rank, size, dist_opts.timeout, global_ranks=ranks, group_name=name)
+
+
+def register() -> None:
+    """Register the ``memrt`` backend with torch.distributed (idempotent; does not change any default)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        tdist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        _registered = True
+
+
+def is_memrt_group(group: Any) -> bool:
+    return isinstance(group, MemrtProcessGroup)
+
+
+def default_is_memrt() -> bool:
+    return tdist.is_initialized() and is_memrt_group(tdist.distributed_c10d._get_default_group())
+
+
+def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str) -> tuple[tuple, dict[str, Any], bool]:
+    """``init_process_group``'s arguments with the backend switched to memrt when it can carry the job.
+
+    Not switched: ``MEMRT_COMM=off``, an MPI / UCC / custom backend, or backend-specific ``pg_options``.
+    Returns ``(args, kwargs, switched)``.
+    """
+    backend = args[0] if args else kwargs.get("backend")
+    name = str(backend).lower() if backend is not None else None
+    if comm_mode == "off" or kwargs.get("pg_options") is not None or (len(args) > 7 and args[7] is not None):
+        return args, kwargs, False
+    if name is not None and name not in ("gloo", "nccl", "undefined") and \
+            not all(p.split(":")[-1].strip() in ("gloo", "nccl") for p in name.split(",")):
+        return args, kwargs, False
+    set_inner_spec(name)
+    register()
+    if args:
+        args = (BACKEND_NAME,) + tuple(args[1:])
+    else:
+        kwargs = {**kwargs, "backend": BACKEND_NAME}
+    return args, kwargs, True
+
+
+def ensure_topology() -> Any:
+    """memrt.comm's topology and tier groups (collective on first use: every rank of the world calls it)."""
+    from memrt.comm import api
+
+    if api._st.topology is None:  # noqa: SLF001 - the API's own state: set up once per job
+        with internal_groups(), passthrough():
+            api.setup_topology()
+    return api._st.topology  # noqa: SLF001
+
+
+# --------------------------------------------------------------------------------------------- Work
+class _Work(tdist.Work):
+    """A c10d Work (what DDP and functional collectives wait on) around memrt.comm's async result."""
+
+    def __init__(self, inner: Any, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._inner, self._outputs = inner, outputs
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._inner is not None:
+            self._inner.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner is None or bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> Any:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            inner = self._inner
+            if inner is None:
+                fut: torch.futures.Future = torch.futures.Future()
+                fut.set_result(self._outputs)
+            elif hasattr(inner, "_fut") and hasattr(inner, "get_future"):  # MemrtWork: value = outputs
+                fut = inner.get_future()
+            elif hasattr(inner, "_finish") and hasattr(inner, "_work"):  # api's recorded torch Work
+                outputs, finish = self._outputs, inner._finish  # noqa: SLF001
+
+                def done(f: torch.futures.Future) -> list[torch.Tensor]:
+                    f.value()
+                    finish()
+                    return outputs
+
+                fut = inner._work.get_future().then(done)  # noqa: SLF001
+            else:
+                fut = inner.get_future()
+            self._fut = fut
+        return self._fut
+
+
+class _AllWork(tdist.Work):
+    """Several Works as one (coalesced calls)."""
+
+    def __init__(self, works: list[Any], outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works, self._outputs = works, outputs
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w is None or w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._outputs)
+        return fut
+
+
+def _red(op: Any) -> Any:
+    """The ``ReduceOp.RedOpType`` inside the ``ReduceOp`` that c10d's options carry."""
+    return getattr(op, "op", op)
+
+
+def _op_name(op: Any) -> str | None:
+    name = str(getattr(op, "op", op)).split(".")[-1].upper()
+    return name if name in _REDUCE_OPS else None
+
+
+# ------------------------------------------------------------------------------------- process group
+class MemrtProcessGroup(tdist.ProcessGroup):
+    """A process group whose collectives run memrt.comm's algorithms over real backends underneath."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any, *, global_ranks: list[int],
+                 group_name: str) -> None:
+        super().__init__(rank, size)
+        self._gname = group_name
+        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
+        # the default group (no ranks given), or a group of every rank in rank order: same members, same
+        # order, so memrt's world algorithms (on their own tier groups) compute the same thing
+        self._is_world = not global_ranks or list(global_ranks) == list(range(tdist.get_world_size()))
+        self._inner: dict[str, Any] = {}
+        kinds: dict[str, Any] = {}
+        for device, name in _inner.items():
+            if name not in kinds:
+                kinds[name] = _real_backend(name, tdist.PrefixStore(f"{device}/", store), rank, size, timeout,
+                                            list(global_ranks), group_name)
+            self._inner[device] = kinds[name]
+        for device, be in self._inner.items():
+            btype = tdist.ProcessGroup.BackendType.NCCL if _inner[device] == "nccl" else \
+                tdist.ProcessGroup.BackendType.GLOO
+            self._register_backend(torch.device(device), btype, be)
+        self._set_default_backend(tdist.ProcessGroup.BackendType.GLOO if "cuda" not in self._inner or
+                                  _inner["cuda"] == "gloo" else tdist.ProcessGroup.BackendType.NCCL)
+
+    # ------------------------------------------------------------------ identity
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._gname = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        return self._gname
+
+    def __repr__(self) -> str:
+        return f"MemrtProcessGroup(rank={self.rank()}, size={self.size()}, over={self.inner_backends()})"
+
+    def inner_backends(self) -> dict[str, str]:
+        return {d: ("nccl" if "NCCL" in type(b).__name__ else "gloo") for d, b in self._inner.items()}
+
+    def _be(self, t: torch.Tensor) -> Any:
+        kind = t.device.type
+        if kind not in self._inner:
+            raise RuntimeError(f"memrt process group has no backend for {kind} tensors (it runs "
+                               f"{self.inner_backends()}): pass backend='cpu:gloo,{kind}:...' to init_process_group")
+        return self._inner[kind]
+
+    def _routed(self) -> bool:
+        """True when this call should run memrt's algorithms (world group, not already inside memrt)."""
+        if _busy():
+            return False
+        if not self._is_world:
+            return False
+        ensure_topology()
+        return True
+
+    # ------------------------------------------------------------------ the improved collectives
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllreduceOptions()
+        if len(tensors) != 1 or _op_name(opts.reduceOp) is None or not self._routed():
+            return self._flat("all_reduce", tensors[0], lambda: self._be(tensors[0]).allreduce(tensors, opts),
+                              opts.reduceOp)
+        from memrt.comm import api
+
+        with passthrough():
+            work = api._all_reduce(tensors[0], _red(opts.reduceOp), None, True)  # noqa: SLF001
+        return _Work(work, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllreduceCoalescedOptions()
+        if _op_name(opts.reduceOp) is None or not self._routed():
+            return self._be(tensors[0]).allreduce_coalesced(tensors, opts)
+        works = [self.allreduce([t], _ar_opts(opts.reduceOp)) for t in tensors]
+        return _AllWork(works, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else BroadcastOptions()
+        if len(tensors) != 1 or not self._routed():
+            return self._flat("broadcast", tensors[0], lambda: self._be(tensors[0]).broadcast(tensors, opts))
+        from memrt.comm import api
+
+        with passthrough():
+            work = api.broadcast(tensors[0], src=self._global_ranks[opts.rootRank], async_op=True)
+        return _Work(work, tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(input_tensors) != 1 or not self._routed():
+            return self._flat("all_gather", input_tensors[0],
+                              lambda: self._be(input_tensors[0]).allgather(output_tensors, input_tensors, opts))
+        from memrt.comm import api
+
+        with passthrough():
+            work = api.all_gather(output_tensors[0], input_tensors[0], async_op=True)
+        return _Work(work, output_tensors[0])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        opts = opts if opts is not None else AllgatherOptions()
+        if not self._routed():
+            return self._flat("all_gather", input, lambda: self._be(input)._allgather_base(output, input, opts))
+        from memrt.comm import api
+
+        with passthrough():
+            work = api.all_gather_into_tensor(output, input, async_op=True)
+        return _Work(work, [output])
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        opts = opts if opts is not None else ReduceScatterOptions()
+        if _op_name(opts.reduceOp) is None or not self._routed():
+            return self._flat("reduce_scatter", input,
+                              lambda: self._be(input)._reduce_scatter_base(output, input, opts), opts.reduceOp)
+        from memrt.comm import api
+
+        with passthrough():
+            work = api.reduce_scatter_tensor(output, input, _red(opts.reduceOp), async_op=True)
+        return _Work(work, [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _AllWork(works, outputs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _AllWork(works, outputs)
+
+    def barrier(self, opts: Any = None) -> Any:
+        """The real backend's barrier (on the device c10d chose for it, else the first backend's)."""
+        from torch._C._distributed_c10d import BarrierOptions
+
+        opts = opts if opts is not None else BarrierOptions()
+        device = getattr(opts, "device", None)
+        kind = device.type if device is not None and device.type in self._inner else next(iter(self._inner))
+        return self._inner[kind].barrier(opts)
+
+    # ------------------------------------------------------------------ sub-groups and pass-through
+    def _flat(self, op: str, t: torch.Tensor, call: Any, reduce_op: Any = None) -> Any:
+        """The real backend's collective, recorded in the comm log (tiers from the group's ranks)."""
+        if _busy():
+            return call()
+        start = time.perf_counter()
+        work = call()
+        return _RecordingWork(work, lambda: _record_flat(op, t, self._global_ranks, reduce_op, start))
+
+
+class _RecordingWork(tdist.Work):
+    """A real backend's Work that adds its CommRecord once completed."""
+
+    def __init__(self, work: Any, finish: Any) -> None:
+        super().__init__()
+        self._work, self._finish, self._done = work, finish, False
+
+    def _once(self) -> None:
+        if not self._done:
+            self._done = True
+            self._finish()
+
+    def wait(self, timeout: Any = None) -> bool:
+        ok = self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._once()
+        return ok
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def get_future(self) -> torch.futures.Future:
+        def done(f: torch.futures.Future) -> Any:
+            value = f.value()
+            self._once()
+            return value
+
+        return self._work.get_future().then(done)
+
+
+def _ar_opts(op: Any) -> Any:
+    o = AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def _record_flat(op: str, t: torch.Tensor, ranks: list[int], reduce_op: Any, start: float) -> None:
+    """CommRecord of a collective memrt ran flat on a group (intra / inter by the group's ring neighbour)."""
+    from memrt.comm import api
+    from memrt.profiling.recorder import CommRecord, get_recorder
+
+    topo = api._st.topology  # noqa: SLF001
+    nbytes = t.numel() * t.element_size()
+    w = len(ranks)
+    sent = {"all_reduce": 2 * (w - 1) / w * nbytes, "broadcast": nbytes, "all_gather": (w - 1) * nbytes,
+            "reduce_scatter": (w - 1) / w * nbytes}.get(op, nbytes) if w > 1 else 0
+    tier = "intra"
+    if topo is not None and w > 1 and topo.rank in ranks:
+        nxt = ranks[(ranks.index(topo.rank) + 1) % w]
+        tier = "inter" if topo.node_of(nxt) != topo.node_index else "intra"
+    redop = (_op_name(reduce_op) or "").lower() if reduce_op is not None else ""
+    get_recorder().record_comm(CommRecord(
+        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes), group_size=w, algorithm="flat",
+        seconds=time.perf_counter() - start, tier_bytes={"intra": 0, "inter": 0, tier: int(sent)}, start=start,
+        redop=redop))

@@ -1,0 +1,185 @@
+"""memrt's plans under ``torch.compile``: the plan is kept, expressed in what dynamo understands.
+
+Two cases, one mechanism: ``torch.compile(model)`` of a model :func:`memrt.auto` instruments, and
+``memrt.auto(torch.compile(model))`` (auto then instruments the compiled module's original model).
+
+- **Step boundary**: memrt's step hook runs outside the graph (``torch._dynamo.disable``); it is told
+  whether the step it starts is being compiled (``torch.compiler.is_compiling()`` is evaluated in
+  the traced part of the hook).
+- **Units inside the graph** (:func:`compiled_unit_call`): ``keep`` calls the unit; ``recompute`` wraps
+  it in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which dynamo turns into a
+  checkpointed region (AOTAutograd recomputes it in backward). Offload actions cannot be carried
+  by a compiled graph (saved-tensor hooks that move data do not trace): such a unit is recomputed
+  instead, logged once with the reason.
+- **Profile**: memrt's eager profile needs its per-unit hooks, which a compiled step does not run.
+  For a compiled step without a plan, :func:`shadow_profile` profiles one eager forward and backward
+  of the same inputs first: gradients through ``torch.autograd.grad`` (no ``.grad`` is touched), the
+  user's random generators forked and restored, buffers restored. The real step then runs compiled
+  with the plan, and certification measures the compiled steps that follow: allocator statistics on
+  CUDA; on CPU :class:`CompiledCpuMeter` (resident memory), because memrt's CPU tracker is a dispatch
+  mode, and dynamo runs a step under an active dispatch mode eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["compiled_unit_call", "compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
+           "compiled_meter"]
+
+logger = logging.getLogger(__name__)
+
+COMPILED_ACTIONS = ("keep", "recompute")
+"""What a unit can do inside a compiled graph; every other action falls back to ``recompute``."""
+
+_warned: set[str] = set()
+
+
+def compiled_action(action: str) -> str:
+    """The action a compiled graph runs for a planned ``action`` (offload -> recompute, logged once)."""
+    if action in COMPILED_ACTIONS:
+        return action
+    if action not in _warned:
+        _warned.add(action)
+        logger.warning("memrt: plan action %r cannot run inside a torch.compile graph (saved-tensor hooks that "
+                       "move activations do not trace); those units are recomputed instead", action)
+    return "recompute"
+
+
+def compiled_unit_call(actions: dict[str, str], name: str, fn: Callable[..., Any], args: tuple,
+                       kwargs: dict) -> Any:
+    """One unit call inside a graph dynamo is tracing: ``actions[name]`` is ``keep`` or ``recompute``."""
+    if actions.get(name, "keep") == "recompute" and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def shadow_profile(model: nn.Module, units: Sequence[tuple[str, nn.Module]], device: torch.device,
+                   args: tuple, kwargs: dict, override: Callable[[Any], None]) -> Any:
+    """Profile one eager forward + backward of ``model`` on ``args`` without changing any user state.
+
+    ``override(unit_call or None)`` installs the profile's unit call on memrt's instrumentation.
+    Returns the :class:`memrt.memory.profile.Profile`.
+    """
+    from memrt.memory.profile import ProfileSession
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [device.index or 0] if device.type == "cuda" else []
+    session = ProfileSession(model, units, device=device)
+    override(session.unit_call)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            session.begin((args, kwargs))
+            out = model.forward(*args, **kwargs)  # forward, not __call__: memrt's step hook stays out
+            outs = _grad_outputs(out)
+            if outs and params:
+                grads = torch.autograd.grad(outs, params, grad_outputs=[torch.ones_like(t) for t in outs],
+                                            allow_unused=True)
+                del grads
+            del out, outs
+            return session.end()
+    finally:
+        session.end()
+        override(None)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+# ----------------------------------------------------------------------------------------- measuring
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status: measuring a compiled CPU step needs Linux")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux >= 4.0: VmHWM := current RSS
+        f.write("5")
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["stats"].values()))
+
+
+class CompiledCpuMeter:
+    """The peak of a compiled CPU step, without a dispatch mode (which would make dynamo run the step eagerly).
+
+    ``peak`` = bytes of the tensors known at the start (parameters, inputs, optimizer state) + the growth
+    of the process's resident memory over the step (``VmHWM`` after a ``clear_refs`` reset, minus the
+    RSS then). Meaningful with glibc returning large blocks to the OS (``MALLOC_MMAP_THRESHOLD_=65536``,
+    as memrt's CPU budget is defined); frozen at :meth:`pause` (the optimizer step is not the step's).
+    """
+
+    exact_ghosts = False
+
+    def __init__(self) -> None:
+        self._known = 0
+        self._rss0 = 0
+        self._frozen: int | None = None
+        self._graphs = 0
+
+    @property
+    def valid(self) -> bool:
+        """False when dynamo compiled during the step: compiling's own memory is not the step's."""
+        return _graphs_compiled() == self._graphs
+
+    def start(self, extra: Any = ()) -> None:
+        from memrt.memory.profile import _storage_ids
+
+        self._graphs = _graphs_compiled()
+        self._known = sum(_storage_ids([t for t in extra if isinstance(t, torch.Tensor)]).values())
+        _reset_peak()
+        self._rss0 = _status_bytes("VmRSS")
+        self._frozen = None
+
+    def _now(self) -> int:
+        return self._known + max(0, _status_bytes("VmHWM") - self._rss0)
+
+    def pause(self) -> None:
+        if self._frozen is None:
+            self._frozen = self._now()
+
+    def stop(self) -> None:
+        self.pause()
+
+    def live(self) -> int:
+        return self._known + max(0, _status_bytes("VmRSS") - self._rss0)
+
+    def segment(self) -> tuple[int, int]:
+        return self.live(), self.peak
+
+    def mark(self, kind: str, label: str = "") -> None: ...
+    def track(self, tensors: Any) -> None: ...
+    def ghost(self, t: torch.Tensor) -> None: ...
+    def clear_ghosts(self) -> None: ...
+
+    @property
+    def peak(self) -> int:
+        return self._frozen if self._frozen is not None else self._now()
+
+
+def compiled_meter(device: torch.device) -> Any:
+    """The meter for a compiled step: allocator statistics on CUDA, :class:`CompiledCpuMeter` on CPU."""
+    if device.type == "cpu":
+        return CompiledCpuMeter()
+    from memrt.memory.meter import make_meter
+
+    return make_meter(device)

@@ -1,0 +1,264 @@
+"""Rank functions for tests/test_llm_*.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init(rank: int, world: int, backend: str) -> None:
+    """init_process_group over the harness's store; ``backend="memrt"`` registers memrt's group first."""
+    if backend == "memrt":
+        from memrt.comm.backend import register
+
+        register()
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+
+def comm_log() -> list[dict[str, Any]]:
+    from memrt.profiling.recorder import get_recorder
+
+    return [{"op": r.op, "algorithm": r.algorithm, "nbytes": r.nbytes, "tier_bytes": dict(r.tier_bytes),
+             "group_size": r.group_size} for r in get_recorder().comm]
+
+
+def clear_log() -> None:
+    from memrt.profiling.recorder import get_recorder
+
+    get_recorder().comm.clear()
+
+
+def plain_collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """dist.all_reduce / all_gather_into_tensor / reduce_scatter_tensor / broadcast, inf and NaN included."""
+    init(rank, world, backend)
+    g = torch.Generator().manual_seed(100 + rank)
+    out: dict[str, Any] = {}
+    big = torch.randn(300_000, generator=g)
+    big[7] = float("inf") if rank == 0 else 1.0
+    big[8] = float("nan") if rank == world - 1 else 2.0
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+        t = big.clone()
+        dist.all_reduce(t, op=op)
+        out[f"all_reduce_{op}"] = t
+    ints = torch.arange(1000, dtype=torch.int64) * (rank + 1)
+    dist.all_reduce(ints)
+    out["all_reduce_int"] = ints
+    o = torch.empty(world * 50_000)
+    dist.all_gather_into_tensor(o, big[:50_000].clone())
+    out["all_gather"] = o
+    rs = torch.empty(75_000)
+    dist.reduce_scatter_tensor(rs, big[:75_000 * world].clone())
+    out["reduce_scatter"] = rs
+    b = big.clone()
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b
+    w = dist.all_reduce(big.clone(), async_op=True)
+    w.wait()
+    import torch.distributed._functional_collectives as fc  # what compiled graphs run
+
+    out["fc_all_reduce"] = fc.wait_tensor(fc.all_reduce(big.clone(), "sum", dist.group.WORLD))
+    out["fc_all_gather"] = fc.wait_tensor(fc.all_gather_tensor(big[:50_000].clone(), 0, dist.group.WORLD))
+    out["fc_reduce_scatter"] = fc.wait_tensor(fc.reduce_scatter_tensor(big[:75_000 * world].clone(), "sum", 0,
+                                                                       dist.group.WORLD))
+    if world == 4:  # a 2 x 2 DeviceMesh: one dimension inside the (faked) nodes, one across
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("across", "inside"))
+        for dim in ("across", "inside"):
+            t = big[:1000].clone()
+            dist.all_reduce(t, group=mesh.get_group(dim))
+            out[f"mesh_{dim}"] = t
+    out = {k: v.numpy().tobytes() for k, v in out.items()}  # bytes: equal bits compare equal (NaN too)
+    out["log"] = comm_log()
+    dist.destroy_process_group()
+    return out
+
+
+def _activate() -> None:
+    """What MEMRT=1 does at interpreter start (the children of run_processes get MEMRT=1 after it)."""
+    from memrt.activation.hooks import install
+
+    install()
+
+
+def tiny_gpt(seed: int = 0, n_layer: int = 2):
+    from memrt.testing.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=32, dropout=0.0))
+
+
+def _batch(rank: int, step: int):
+    from memrt.testing.models import GPTConfig, gpt_batch
+
+    return gpt_batch(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32), 4,
+                     seed=1000 * step + rank)
+
+
+def ddp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3,
+              memrt_hook: bool = False) -> dict[str, Any]:
+    """DDP without a comm hook, AdamW; returns the parameters (bytes), the hooks DDP holds and the comm log."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from memrt.testing.models import lm_loss
+
+    if activate:
+        _activate()
+    init(rank, world, backend)
+    model = DDP(tiny_gpt())
+    if memrt_hook:  # the established path: memrt.comm's DDP hook over a gloo default group
+        import memrt.comm as mc
+
+        mc.setup_topology()
+        mc.register_ddp_hook(model, compress="none")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    clear_log()
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"params": {k: v.detach().numpy().tobytes() for k, v in model.module.state_dict().items()},
+           "log": comm_log(), "pg": type(dist.distributed_c10d._get_default_group()).__name__,
+           "hook": [getattr(h, "__name__", repr(h)) for h, _ in model._comm_hooks]}
+    dist.destroy_process_group()
+    return out
+
+
+def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int = 3,
+               compile_model: bool = False, custom_comms: bool = False, budget: Any = None,
+               n_layer: int = 2) -> dict[str, Any]:
+    """fully_shard per block + root, AdamW; the gathered state after ``steps`` and the comm log."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from memrt.testing.models import lm_loss
+
+    if activate:
+        _activate()
+    init(rank, world, backend)
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_gpt(n_layer=n_layer)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if custom_comms:  # FSDP2's set_custom_all_gather / set_custom_reduce_scatter with memrt.comm
+        import memrt.comm as mc
+        from memrt.comm.fsdp import use_memrt_comms
+
+        mc.setup_topology()
+        use_memrt_comms(model)
+    if budget is not None:
+        import memrt
+        from memrt.memory.cache import PlanCache
+
+        memrt.auto(model, budget=budget, offload="none", cache=PlanCache())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fwd = torch.compile(model) if compile_model else model
+    clear_log()
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        lm_loss(fwd(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    log = comm_log()
+    state = {k: v.full_tensor().detach().numpy().tobytes() for k, v in model.state_dict().items()}
+    out = {"state": state, "log": log, "pg": type(dist.distributed_c10d._get_default_group()).__name__}
+    if budget is not None:
+        import memrt
+
+        plan = memrt.plan_of(model)
+        out["plan"] = None if plan is None else {"actions": {u.name: u.action for u in plan.units},
+                                                  "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes,
+                                                  "predicted": plan.predicted_peak_bytes}
+    dist.destroy_process_group()
+    return out
+
+
+def compile_check(out_path: str, budget: int) -> None:
+    """Compiled stock vs compiled + memrt (auto then compile, and auto of the compiled model), 3 AdamW steps.
+
+    Run in a fresh process with one thread (inductor's CPU reductions split over threads are not
+    reproducible run to run) and MALLOC_MMAP_THRESHOLD_=65536 (memrt's CPU budget measure).
+    Writes a JSON summary to ``out_path``.
+    """
+    import json
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=2, d_model=64, dropout=0.0)
+
+    def run(mode: str) -> tuple[dict, Any, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied (see docs: tied + graph break)
+        if mode == "auto_then_compile":
+            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+        f = torch.compile(m)
+        if mode == "auto_of_compiled":
+            assert memrt.auto(f, budget=budget, offload="none", cache=PlanCache()) is f
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for s in range(3):
+            x, y = gpt_batch(cfg, 8, seed=s)
+            lm_loss(f(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        actions = dict(getattr(getattr(m.blocks[0], "forward", None), "ref", lambda: None)().compiled_actions) \
+            if hasattr(m.blocks[0].forward, "ref") else {}
+        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m), actions
+
+    ref, _, _ = run("stock")
+    summary: dict[str, Any] = {}
+    for mode in ("auto_then_compile", "auto_of_compiled"):
+        state, plan, actions = run(mode)
+        summary[mode] = {"equal": all(torch.equal(state[k], ref[k]) for k in ref),
+                         "actions": {u.name: u.action for u in plan.units}, "compiled_actions": actions,
+                         "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes}
+    with open(out_path, "w") as f:
+        json.dump(summary, f)
+
+
+def fsdp_planned(rank: int, world: int, budgets: list[int]) -> dict[str, Any]:
+    """FSDP2 (fully_shard per block) without memrt, then with memrt.auto at each budget: gathered states, plans."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import lm_loss
+
+    init(rank, world, "gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for budget in [None, *budgets]:
+        model = tiny_gpt(n_layer=4)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if budget is not None:
+            memrt.auto(model, budget=budget, offload="none", cache=PlanCache())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            x, y = _batch(rank, step)
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        state = {k: v.full_tensor().detach().numpy().tobytes() for k, v in model.state_dict().items()}
+        plan = memrt.plan_of(model) if budget is not None else None
+        out[str(budget)] = {"state": state, "plan": None if plan is None else {
+            "actions": {u.name: u.action for u in plan.units}, "measured": plan.measured_peak_bytes,
+            "predicted": plan.predicted_peak_bytes}}
+        if budget is not None:
+            memrt.disable(model)
+    dist.destroy_process_group()
+    return out
