@@ -110,7 +110,10 @@ def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> 
         from memrt.comm.backend import is_memrt_group
     except ImportError:
         is_memrt_group = None
-    if is_memrt_group is not None and is_memrt_group(getattr(ddp, "process_group", None)):
+    if is_memrt_group is not None and is_memrt_group(getattr(ddp, "process_group", None)) \
+            and sess.config.compress in (None, "none"):
+        # The group already runs memrt's algorithms. Compression still takes the hook: it is what names each
+        # gradient bucket, so error feedback stays with its bucket (a plain all_reduce is never compressed).
         entry["comm_hook"] = "memrt.comm process group (no hook needed)"
         return None
     try:
