@@ -31,21 +31,13 @@ from typing import Any, Callable
 
 import torch
 
+from memrt.testing.zoo import padded_batch
 from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_bytes, fmt_ratio, machine_info,
                                 machine_line, print_table, write_json)
 
 __all__ = ["main"]
 
 TIME_GOAL = 1.05
-
-
-def padded_batch(step: int, length: int, batch: int, vocab: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(2, vocab, (batch, length), generator=g)
-    lens = torch.randint(max(1, length // 2), length + 1, (batch,), generator=g)
-    lens[0] = length
-    mask = (torch.arange(length)[None] < lens[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _job(model: torch.nn.Module, lengths: list[int], batch: int, vocab: int, *,
@@ -56,7 +48,7 @@ def _job(model: torch.nn.Module, lengths: list[int], batch: int, vocab: int, *,
     from memrt.profiling.cpu_tracker import CpuMemoryTracker
 
     watch_optimizers()
-    batches = [padded_batch(s, n, batch, vocab) for s, n in enumerate(lengths)]
+    batches = [padded_batch(s, n, batch=batch, vocab=vocab) for s, n in enumerate(lengths)]
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if setup is not None:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from memrt.comm.tiers import DONE, combine, combine_
+from memrt.launcher import pid_alive
 
 __all__ = ["ShmTier", "shm_available", "sweep_stale_slabs"]
 
@@ -46,16 +47,6 @@ def _host() -> str:
     return socket.gethostname().replace("-", "_")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale_slabs(directory: Path = SHM_DIR) -> int:
     """Remove this host's slabs whose creating process is gone; returns how many (other hosts' are kept)."""
     prefix = f"{_PREFIX}{_host()}-"
@@ -68,7 +59,7 @@ def sweep_stale_slabs(directory: Path = SHM_DIR) -> int:
         if not name.startswith(prefix):
             continue
         pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         try:
             os.unlink(directory / name)

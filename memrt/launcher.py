@@ -10,6 +10,7 @@ broadcasts rank 0's address and a free port over mpi4py.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import asdict, dataclass
 from typing import Mapping
@@ -17,7 +18,7 @@ from typing import Mapping
 from memrt.config import environ
 from memrt.errors import ConfigError
 
-__all__ = ["LaunchInfo", "discover_launch", "mpi_rendezvous", "import_mpi4py"]
+__all__ = ["LaunchInfo", "discover_launch", "mpi_rendezvous", "import_mpi4py", "pid_alive"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,3 +163,14 @@ def mpi_rendezvous(addr: str | None = None) -> str:
         host = addr or _routable_address()
         url = f"tcp://{host}:{_free_port(host)}"
     return comm.bcast(url, root=0)
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists on this host (or may: another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -22,6 +22,7 @@ import memrt.memory.auto as auto_mod
 from memrt.memory.buckets import bucket_dim, bucket_shapes, scale_profile, shape_scale
 from memrt.memory.cache import CacheEntry, PlanCache
 from memrt.memory.meter import known_tensors, watch_optimizers
+from memrt.testing.zoo import padded_batch
 from memrt.memory.planner import Plan
 from memrt.memory.profile import Constraint, Profile, UnitProfile
 from memrt.profiling.cpu_tracker import CpuMemoryTracker
@@ -71,16 +72,6 @@ def test_plan_cache_is_bounded_lru():
 
 
 # -- dynamic padding on transformers' GPT-2 -------------------------------------------------------------
-def _padded_batch(step: int, length: int, vocab: int = 1024, batch: int = 4) -> dict[str, torch.Tensor]:
-    """What a padding collator gives: the batch padded to its longest sequence (row 0), masks, -100 labels."""
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(2, vocab, (batch, length), generator=g)
-    lens = torch.randint(max(1, length // 2), length + 1, (batch,), generator=g)
-    lens[0] = length
-    mask = (torch.arange(length)[None] < lens[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 def _run(model, lengths, *, budget=None, cache=None, offload="none"):
     """AdamW steps over ``lengths``; returns (gradients per step, tracker peak per step)."""
     watch_optimizers()
@@ -91,7 +82,7 @@ def _run(model, lengths, *, budget=None, cache=None, offload="none"):
     grads, peaks = [], []
     for s, n in enumerate(lengths):
         opt.zero_grad(set_to_none=True)
-        b = _padded_batch(s, n)
+        b = padded_batch(s, n, batch=4, vocab=1024)
         tr = CpuMemoryTracker().start(known_tensors(model, list(b.values())), scan_gc=False)
         loss = model(**b).loss
         loss.backward()

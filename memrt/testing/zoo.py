@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["ZooCase", "ZOO", "budget_fractions", "build", "checkpoint_units", "names"]
+__all__ = ["ZooCase", "ZOO", "budget_fractions", "build", "checkpoint_units", "names", "padded_batch"]
 
 
 @dataclass(kw_only=True)
@@ -212,3 +212,13 @@ def build(name: str, size: str = "tiny", *, seed: int = 0) -> ZooCase:
     case.model.train()
     return case
 
+
+def padded_batch(step: int, length: int, *, batch: int, vocab: int) -> dict[str, torch.Tensor]:
+    """What a padding collator gives a causal LM: ``batch`` sequences padded to the longest (row 0, ``length``
+    tokens), attention masks, -100 labels on the padding; drawn from a private generator seeded by ``step``."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(2, vocab, (batch, length), generator=g)
+    lens = torch.randint(max(1, length // 2), length + 1, (batch,), generator=g)
+    lens[0] = length
+    mask = (torch.arange(length)[None] < lens[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

@@ -23,6 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from memrt.launcher import pid_alive
+
 __all__ = ["make_private_dir", "make_folder_chain", "register_dir", "register_file", "forget_file", "remove_dir",
            "registered_dirs", "sweep_stale_dirs", "pid_alive", "remove_all_own"]
 
@@ -165,18 +167,6 @@ def sweep_stale_dirs(parent: str | os.PathLike) -> int:
     return removed
 
 
-def pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` exists on this host (or may: another user's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_alive = pid_alive
 
 
 def _rmtree(path: str) -> None:
