@@ -213,8 +213,9 @@ class Recorder:
             self.t0_unix = time.time()
 
 
-def make_private_dir(directory: str | os.PathLike) -> Path:
-    """``directory`` with every folder this call creates made 0700 (existing ones are left as they are)."""
+def make_private_dir(directory: str | os.PathLike, created: list[Path] | None = None) -> Path:
+    """``directory`` with every folder this call creates made 0700 whatever the umask (existing ones are left
+    as they are); the folders this call created are appended to ``created`` when given, outermost first."""
     d = Path(directory)
     missing = []
     cur = d
@@ -225,7 +226,10 @@ def make_private_dir(directory: str | os.PathLike) -> Path:
         try:
             os.mkdir(folder, 0o700)
         except FileExistsError:  # another rank created it meanwhile
-            pass
+            continue
+        os.chmod(folder, 0o700)
+        if created is not None:
+            created.append(folder)
     if not d.is_dir():
         raise NotADirectoryError(f"{d} is not a directory")
     return d

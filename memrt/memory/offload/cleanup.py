@@ -50,21 +50,15 @@ of the job leaves last (a level a sibling rank created is removed once the sibli
 
 def make_folder_chain(folder: str | os.PathLike) -> None:
     """Create ``folder`` and its missing parents, each 0700 (not under the umask); removed at exit when empty."""
+    from memrt.profiling.recorder import make_private_dir as make_private_levels
+
     folder = Path(folder)
-    missing = []
-    cur = folder
-    while not cur.exists() and cur.parent != cur:
-        missing.append(cur)
-        cur = cur.parent
-    for level in reversed(missing):
-        try:
-            os.mkdir(level, 0o700)
-        except FileExistsError:  # another rank of the job created it a moment ago
-            continue
-        os.chmod(level, 0o700)
-        os.close(os.open(level / _MADE, os.O_WRONLY | os.O_CREAT, 0o600))
-    if not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is not a directory")
+    created: list[Path] = []
+    try:
+        make_private_levels(folder, created)  # a level another rank created a moment ago is not ours to mark
+    finally:  # levels made before a failure deeper down are marked too, so they are removed at exit
+        for level in created:
+            os.close(os.open(level / _MADE, os.O_WRONLY | os.O_CREAT, 0o600))
     if (folder / _MADE).exists():
         with _lock:
             _chain[str(folder)] = os.getpid()
