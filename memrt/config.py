@@ -251,6 +251,10 @@ class MemrtConfig:
     """MEMRT_STRICT: raise instead of warning-and-continue when activation fails."""
     balance: str = "auto"
     """MEMRT_BALANCE: auto|on|off — speed-weighted shares of each global batch in DDP jobs (memrt.balance.auto)."""
+    process_group: bool = False
+    """MEMRT_PROCESS_GROUP: under MEMRT=1, run the job's gloo/nccl process group as memrt's own (every
+    collective of DDP without a hook, FSDP2, DeviceMesh and plain calls through memrt.comm). Default off: a rank
+    started without MEMRT would wait in init_process_group for peers it cannot pair with."""
     sources: dict[str, str] = field(default_factory=dict)
     """Variable name -> 'default' | 'environment' | 'argument' for every setting."""
 
@@ -307,6 +311,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_LOG_LEVEL", "log_level", _choice(LOG_LEVELS)),
     Setting("MEMRT_STRICT", "strict", parse_bool),
     Setting("MEMRT_BALANCE", "balance", _choice(BALANCE_CHOICES), agree=True),
+    Setting("MEMRT_PROCESS_GROUP", "process_group", parse_bool, agree=True),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
 its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""

@@ -236,5 +236,4 @@ def test_memrt_failing_inside_the_hook_lets_the_job_finish(reference, tmp_path):
     reports = _reports(tmp_path)
     models = [rep["meta"]["activation"]["models"][0] for rep in reports]
     assert models[0]["memory"].startswith("planned") and models[1]["memory"] != models[0]["memory"]
-    # the collectives run on memrt's process group on both ranks (chosen at init, before rank 1 stepped aside)
-    assert models[0]["comm_hook"].startswith("memrt.comm process group"), models[0]
+    assert "not on every rank" in models[0]["comm_hook"], "rank 1 stepped aside, so no rank may use the hook"

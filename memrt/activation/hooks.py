@@ -254,7 +254,10 @@ def _wrap_init_process_group(original: Callable) -> Callable:
 
 
 def _memrt_backend(args: tuple, kwargs: dict, config: Any) -> tuple[tuple, dict, bool]:
-    """The script's backend replaced by memrt's process group (memrt.comm.backend), when it can carry it."""
+    """The script's backend replaced by memrt's process group (memrt.comm.backend), when MEMRT_PROCESS_GROUP
+    asks for it and it can carry the job."""
+    if not config.process_group:
+        return args, kwargs, False
     try:
         from memrt.comm.backend import activation_kwargs
 
