@@ -134,7 +134,7 @@ def test_fsdp2_collectives_through_memrt(world, tmp_path):
 
 def test_fsdp2_compiled_through_memrt(tmp_path):
     stock = run_processes(W.fsdp_train, 2, "gloo", False, 3, True, init_process_group=False, timeout=280)
-    memrt = run_processes(W.fsdp_train, 2, "gloo", True, 3, True, env={"MEMRT": "1", "MEMRT_COMM": "flat", "MEMRT_REPORT_DIR": str(tmp_path)},
+    memrt = run_processes(W.fsdp_train, 2, "gloo", True, 3, True, env={"MEMRT": "1", "MEMRT_PROCESS_GROUP": "1", "MEMRT_COMM": "flat", "MEMRT_REPORT_DIR": str(tmp_path)},
                           init_process_group=False, timeout=280)
     for rank in range(2):
         assert memrt[rank]["pg"] == "MemrtProcessGroup"
