@@ -357,7 +357,8 @@ def test_step1_profiling_overhead_at_most_2x_a_normal_step():
 
 @pytest.mark.gpu
 def test_cuda_peak_under_budget_and_grads_match():
-    """CUDA path: allocator statistics certify the plan; recompute replays the CUDA RNG (dropout)."""
+    """CUDA path: allocator statistics certify the plan against reserved bytes (what decides an
+    out-of-memory error); the planner's model predicts allocated bytes; recompute replays the CUDA RNG."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     dev = torch.device("cuda")
     cfg = GPTConfig(n_layer=6, d_model=256, n_head=4, seq_len=256, vocab_size=512, dropout=0.1)
@@ -374,20 +375,22 @@ def test_cuda_peak_under_budget_and_grads_match():
         for s in range(4):
             opt.zero_grad()
             x, y = gpt_batch(cfg, 8, seed=s, device=dev)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
             lm_loss(model(x), y).backward()
             grads = [p.grad.clone() for p in model.parameters()]
             opt.step()
-            peaks.append(torch.cuda.max_memory_allocated(dev))
+            peaks.append((torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)))
         plan = memrt.plan_of(model)
         memrt.disable(model)
         return grads, peaks, plan
 
     ref, peaks, _ = run(None)
-    budget = int(0.6 * max(peaks[1:]))
-    got, _, plan = run(budget)
+    budget = int(0.7 * max(r for _, r in peaks[1:]))
+    got, peaks, plan = run(budget)
     assert plan.measured_peak_bytes <= budget, str(plan)
-    assert abs(plan.predicted_peak_bytes / plan.measured_peak_bytes - 1) <= 0.10, str(plan)
+    assert peaks[-1][1] <= budget, (peaks, budget)  # reserved, measured by the test around a step
+    assert abs(plan.predicted_peak_bytes / peaks[-1][0] - 1) <= 0.10, (str(plan), peaks)
     assert any(u.action == "recompute" for u in plan.units)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

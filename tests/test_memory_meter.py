@@ -32,6 +32,9 @@ class FakeAllocator:
     def reset_peaks(self) -> None:
         self.max_alloc, self.max_res = self.alloc, self.res
 
+    def release_cached(self) -> None:
+        self.res = self.alloc  # empty_cache: free cached blocks go back to the device
+
 
 def test_cuda_meter_peak_is_max_reserved_and_segments_are_allocated():
     a = FakeAllocator()
@@ -58,3 +61,15 @@ def test_cuda_meter_allocated_peak_counts_when_nothing_is_cached():
     a.set(7000, 7000)
     a.set(0, 0)
     assert m.peak == 7000
+
+
+def test_cuda_meter_start_drops_blocks_cached_by_an_earlier_step():
+    """A keep-everything step leaves its blocks cached; the next step's peak counts only what it holds."""
+    a = FakeAllocator()
+    a.set(8000, 8000)  # the profiling step's peak
+    a.set(1000, 8000)  # its activations freed, the blocks still reserved
+    m = CudaMeter(torch.device("cuda", 0), record=False, stats=a)
+    m.start()
+    a.set(3000, 3000)
+    a.set(1000, 3000)
+    assert m.peak == 3000

@@ -102,6 +102,12 @@ class CudaStats:
     def reset_peaks(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def release_cached(self) -> None:
+        """Return the allocator's free cached blocks to the device, so reserved bytes start at what live
+        tensors hold (a keep-everything step before would otherwise count in the next step's peak)."""
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+
 
 class CudaMeter(Meter):
     """Live bytes and segment peaks from the allocator's allocated bytes (what the planner's memory model
@@ -117,6 +123,7 @@ class CudaMeter(Meter):
         self._paused_at: int | None = None
 
     def start(self, extra: Iterable[Any] = ()) -> None:
+        self.stats.release_cached()
         self.stats.reset_peaks()
         self._peak = max(self.stats.allocated(), self.stats.reserved())
         self._paused_at = None
