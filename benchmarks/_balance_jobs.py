@@ -22,7 +22,7 @@ JOB = Path(__file__).resolve().parent / "balance_job.py"
 # Capping needs the host's /sys/fs/cgroup, which `ip netns exec` hides: cap first, then enter the namespace.
 _SHIM = ("import os, sys\n"
          "from memrt.cluster.cpucap import cap_from_setting\n"
-         "cap_from_setting(int(os.environ['RANK']))\n"
+         "cap = cap_from_setting(int(os.environ['RANK']))  # held: a dropped CpuCap lifts the cap\n"
          "ns = os.environ.pop('BALANCE_NETNS', '')\n"
          "argv = [sys.executable, *sys.argv[1:]]\n"
          "os.execvp('ip', ['ip', 'netns', 'exec', ns, *argv]) if ns else os.execv(sys.executable, argv)\n")
@@ -80,6 +80,19 @@ def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool,
     return ranks
 
 
+def _check_slowdown(caps: list[float], speeds: dict[int, float], how: str) -> None:
+    """The emulation must work: a rank capped at c < 1 CPU runs alone at most (c + 0.3) x an uncapped rank's
+    speed (a cap that silently did nothing would make every figure of the scenario meaningless)."""
+    full = [speeds[r] for r, c in enumerate(caps) if c >= 1.0]
+    if not full:
+        return
+    for r, c in enumerate(caps):
+        if c < 1.0 and speeds[r] > (c + 0.3) * max(full):
+            raise RuntimeError(f"{how}: rank {r} (cap {c:g}) ran alone at {speeds[r]:.0f} samples/s, "
+                               f"{speeds[r] / max(full):.2f}x an uncapped rank's {max(full):.0f}: the slowdown did "
+                               "not take effect")
+
+
 def _samples_per_s(ranks: list[dict]) -> float:
     return sum(r["timed_local_samples"] for r in ranks) / ranks[0]["timed_seconds"]
 
@@ -125,6 +138,7 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> 
             t.join()
         if errors:
             raise RuntimeError("standalone runs failed: " + "; ".join(errors))
+        _check_slowdown(caps, speeds, how=_cap_env(caps, list(range(world)), priority, capped)[1])
         env, how = _cap_env(caps, list(range(world)), priority, capped)
         if cluster is not None:
             cluster.__enter__()

@@ -233,6 +233,10 @@ class _State:
             meter.mark("step_end", "certify")
             live = meter.live()
             meter.stop()
+            resident = getattr(meter, "resident_peak", None)
+            if resident is not None and self.entry is not None:
+                self.entry.plan.resident_peak_bytes = resident
+                measured = max(measured, resident)  # what the user measures from outside counts too
             if not self._step_was_training():  # no backward: measure the next step instead
                 self._not_a_step(profiled=False)
                 return

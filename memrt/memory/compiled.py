@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from memrt.memory.meter import status_bytes
+
 __all__ = ["compiled_unit_call", "compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
            "compiled_meter"]
 
@@ -101,11 +103,10 @@ def shadow_profile(model: nn.Module, units: Sequence[tuple[str, nn.Module]], dev
 
 # ----------------------------------------------------------------------------------------- measuring
 def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status: measuring a compiled CPU step needs Linux")
+    value = status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"no {field} in /proc/self/status: measuring a compiled CPU step needs Linux")
+    return value
 
 
 def _reset_peak() -> None:

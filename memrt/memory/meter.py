@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Meter", "CpuMeter", "CudaMeter", "CudaStats", "make_meter", "device_capacity_bytes", "known_tensors",
+__all__ = ["Meter", "CpuMeter", "ResidentPeak", "status_bytes", "CudaMeter", "CudaStats", "make_meter", "device_capacity_bytes", "known_tensors",
            "watch_optimizers", "on_optimizer_step", "owns_parameters", "resident_bytes"]
 
 
@@ -37,6 +37,47 @@ class Meter:
     def peak(self) -> int: raise NotImplementedError
 
 
+def status_bytes(field: str) -> int | None:
+    """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class ResidentPeak:
+    """The process's resident-memory peak over a step, from the kernel's high-water mark (``VmHWM``),
+    which it never resets (a reset would change what ``ru_maxrss`` and ``VmHWM`` tell the user).
+
+    When the mark rose during the step, the step's peak resident memory is the new mark, exactly; then
+    :attr:`peak` = bytes of the tensors live at the start + (mark - resident bytes at the start): the
+    tensor count's quantity, with what the count cannot see (allocator slack, library scratch such as
+    convolution workspaces, buffers outside torch) included. When the mark did not rise (an earlier
+    moment of the process was higher), the step's peak is unknown below it and :attr:`peak` is None.
+    """
+
+    def __init__(self, live_bytes: int) -> None:
+        self.live0 = live_bytes
+        self.rss0 = status_bytes("VmRSS")
+        self.hwm0 = status_bytes("VmHWM")
+        self.hwm: int | None = None
+
+    def end(self) -> None:
+        """Read the mark (the first call counts: the step ends when its optimizer has stepped)."""
+        if self.hwm is None:
+            self.hwm = status_bytes("VmHWM")
+
+    @property
+    def peak(self) -> int | None:
+        if None in (self.rss0, self.hwm0, self.hwm) or self.hwm <= self.hwm0:
+            return None
+        return self.live0 + self.hwm - self.rss0
+
+
 class CpuMeter(Meter):
     exact_ghosts = True
 
@@ -45,16 +86,27 @@ class CpuMeter(Meter):
 
         self.tracker = CpuMemoryTracker(record=record)
         self.scan_gc = scan_gc
+        self.resident: ResidentPeak | None = None
 
     def start(self, extra: Iterable[Any] = ()) -> None:
         self.tracker.start(extra, scan_gc=self.scan_gc)
+        self.resident = ResidentPeak(self.tracker.live_bytes)
 
     def stop(self) -> None:
         self.tracker.stop()
+        if self.resident is not None:
+            self.resident.end()
 
     def pause(self) -> None:
         """Stop counting new tensors; frees of counted ones still lower the live bytes."""
         self.tracker.pause()
+        if self.resident is not None:
+            self.resident.end()
+
+    @property
+    def resident_peak(self) -> int | None:
+        """The step's peak as resident memory shows it (:class:`ResidentPeak`), None where not known."""
+        return None if self.resident is None else self.resident.peak
 
     def track(self, tensors: Iterable[Any]) -> None:
         """Count these tensors now (those not counted yet)."""

@@ -102,6 +102,11 @@ class Plan:
     """CPU: resident bytes the process gained since ``memrt.auto`` beyond its tensors' growth, at the
     certified step's end (code and allocator memory loaded by the first steps, buffers outside torch);
     a peak RSS measured from outside exceeds the tensor peak by about this much. None: not measured."""
+    resident_peak_bytes: int | None = None
+    """CPU: the certified step's peak as the process's resident memory showed it (tensors live at the
+    step's start + the rise of the kernel's high-water mark over the step); certification compares the
+    higher of this and the tensor count with the budget. None: not measured, or the mark did not rise
+    (an earlier moment of the process was higher), so the tensor count alone decided."""
     shape_scale: float = 1.0
     """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
     shape of its shape bucket (1.0: planned for the profiled shape)."""

@@ -2,7 +2,9 @@
 
 Default: the repeated blocks of the model, i.e. the children of every ``ModuleList``/``Sequential``
 whose children (two or more) all have the same class (outermost such containers; the model itself
-counts when it is one). A model without any: its direct children. Override with class names
+counts when it is one). When each of those children holds repeated blocks of its own (the stages of a
+ConvNeXt or ResNet, each a run of layers), the inner blocks are the units: finer units give the planner
+more to choose from and recompute less at once. A model without any: its direct children. Override with class names
 (``units=["Block"]``): the outermost submodules of those classes.
 """
 
@@ -61,8 +63,13 @@ def find_units(model: nn.Module, unit_classes: Sequence[str] | None = None) -> l
 
     def walk(prefix: str, m: nn.Module) -> None:
         if _repeated(m):
-            for cname, child in m.named_children():
-                add(f"{prefix}{cname}", child)
+            kids = list(m.named_children())
+            nested = all(any(_repeated(x) for x in child.modules()) for _, child in kids)
+            for cname, child in kids:
+                if nested:
+                    walk(f"{prefix}{cname}.", child)
+                else:
+                    add(f"{prefix}{cname}", child)
             return
         for cname, child in m.named_children():
             walk(f"{prefix}{cname}.", child)
