@@ -31,7 +31,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "pair": {"caps": [1.0, 0.5], "nodes": [[0, 1]]},
     "equal": {"caps": [1.0, 1.0], "nodes": [[0, 1]]},
     "quad": {"caps": [1.0, 1.0, 0.5, 0.25], "nodes": [[0, 1, 2, 3]]},
-    "uneven": {"caps": [1.0, 1.0, 1.0, 0.5], "nodes": [[0, 1, 2], [3]], "cluster": True},
+    "uneven": {"caps": [1.0, 1.0, 1.0, 0.25], "nodes": [[0, 1, 2], [3]], "cluster": True},
 }
 
 
@@ -80,17 +80,47 @@ def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool,
     return ranks
 
 
+def _fair_cpus(caps: list[float], cores: int) -> list[float]:
+    """CPUs each single-threaded rank gets when all run at once on ``cores`` with equal weights: the cores
+    shared evenly, no rank above its cap (water-filling)."""
+    alloc = [0.0] * len(caps)
+    rest, left = list(range(len(caps))), float(cores)
+    while rest:
+        level = left / len(rest)
+        below = [r for r in rest if min(caps[r], 1.0) < level]
+        if not below:
+            for r in rest:
+                alloc[r] = level
+            break
+        for r in below:
+            alloc[r] = min(caps[r], 1.0)
+            left -= alloc[r]
+            rest.remove(r)
+    return alloc
+
+
 def _check_slowdown(caps: list[float], speeds: dict[int, float], how: str) -> None:
-    """The emulation must work: a rank capped at c < 1 CPU runs alone at most (c + 0.3) x an uncapped rank's
-    speed (a cap that silently did nothing would make every figure of the scenario meaningless)."""
-    full = [speeds[r] for r, c in enumerate(caps) if c >= 1.0]
+    """The emulation must work: run alone (all at once), a capped rank must be about as much slower than an
+    uncapped one as its share of the cores says (a cap that silently did nothing, or one at or above the
+    rank's share of a crowded machine, would make every figure of the scenario meaningless)."""
+    import os
+
+    full = [r for r, c in enumerate(caps) if c >= 1.0]
     if not full:
         return
+    alloc = _fair_cpus(caps, os.cpu_count() or 1)
+    fastest = max(speeds[r] for r in full)
     for r, c in enumerate(caps):
-        if c < 1.0 and speeds[r] > (c + 0.3) * max(full):
+        if c >= 1.0:
+            continue
+        expected = alloc[r] / max(alloc[q] for q in full)
+        if expected > 0.9:
+            raise RuntimeError(f"{how}: rank {r}'s cap {c:g} cannot slow it on {os.cpu_count()} cores (its share "
+                               f"of the cores is {alloc[r]:.2f} CPU anyway); lower the cap")
+        if speeds[r] > (expected + 0.25) * fastest:
             raise RuntimeError(f"{how}: rank {r} (cap {c:g}) ran alone at {speeds[r]:.0f} samples/s, "
-                               f"{speeds[r] / max(full):.2f}x an uncapped rank's {max(full):.0f}: the slowdown did "
-                               "not take effect")
+                               f"{speeds[r] / fastest:.2f}x an uncapped rank's {fastest:.0f} (expected about "
+                               f"{expected:.2f}x): the slowdown did not take effect")
 
 
 def _samples_per_s(ranks: list[dict]) -> float:

@@ -14,7 +14,9 @@ decisions fall inside it). Final loss (the whole dataset, final model) and param
 - ``equal``: 2 ranks, no cap (MEMRT=1 must not be slower than stock: no balancing when it would not pay);
 - ``quad``: 4 ranks capped at 1/1/0.5/0.25 CPU;
 - ``uneven``: 4 ranks on the emulated cluster's two namespaces, 3+1 (ranks 0-2 | rank 3, 1 Gbit/s link),
-  rank 3 capped at 0.5 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
+  rank 3 capped at 0.25 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
+Each scenario first checks that its caps slow the capped ranks alone as much as their share of the cores
+says (4 ranks on 2 cores get about 0.5 CPU each, so a 0.5 cap would change nothing); it fails otherwise.
 Without root the caps become a sleep per sample in forward (``BALANCE_JOB_DELAY``), printed as such.
 
 API scenarios (the ``SpeedBalancer`` API in one process group, stock DDP alternating with it):
