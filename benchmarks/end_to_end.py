@@ -146,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     for arm, r in results.items():
         rows.append([arm, f"{r['tokens_per_s']:.0f}", f"{r['step_s'] * 1e3:.0f}", fmt_ratio(r.get("vs_stock")),
                      f"{100 * r['of_bound']:.0f}%" if r.get("of_bound") is not None else "-",
-                     f"{r['peak_rss_mib']:.0f}", f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
+                     _cpu_cell(r), f"{r['peak_rss_mib']:.0f}",
+                     f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                      f"{100 * r['loss_vs_stock']:+.2f}%" if r.get("loss_vs_stock") is not None else "-",
                      ("yes" if r["memrt_banner"] else "NO") if arm.startswith("memrt") else "-"])
     for arm, why in skipped.items():
-        rows.append([arm, "-", "-", "-", "-", "-", "-", "-", f"cannot run: {why}"])
-    print_table(["arm", "tokens/s", "step ms", "vs stock", "of compute bound", "peak RSS MiB", f"loss@{steps}",
+        rows.append([arm, "-", "-", "-", "-", "-", "-", "-", "-", f"cannot run: {why}"])
+    print_table(["arm", "tokens/s", "step ms", "vs stock", "of compute bound", "CPU s/step (cores busy)",
+                 "peak RSS MiB", f"loss@{steps}",
                  "loss vs stock", "memrt on / note"], rows,
                 title=f"GPT {' '.join(model_args[4:])}, 4 ranks, {net} (same run; baseline: stock)")
     if summary.get("split"):
@@ -168,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
                                       "summary": summary, "goals": goals, "failed": failures()})
     save_plot(out_dir, "end_to_end", _plot(results))
     return exit_code()
+
+
+def _cpu_cell(r: dict[str, Any]) -> str:
+    """CPU seconds per step summed over the ranks, and the cores that kept busy (CPU / wall): near the
+    machine's core count, an arm is bound by the CPU, not by the link."""
+    cpu = r.get("cpu_s_per_step")
+    return "-" if cpu is None else f"{cpu:.2f} ({cpu / r['step_s']:.2f})"
 
 
 def _summarize(results: dict[str, Any]) -> dict[str, Any]:

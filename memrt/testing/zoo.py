@@ -4,7 +4,8 @@ Each entry builds a model, a batch maker and the model's own activation checkpoi
 and benchmarks train the very code users run: GPT-2, Llama (rotary embeddings passed to every layer,
 grouped-query attention), BERT for sequence classification (padded batches with attention masks),
 T5 (an encoder-decoder: decoder layers read the encoder's output, layer 0 computes the position bias
-the next layers take) and ConvNeXt (a vision model with stochastic depth). Dropout is on where the
+the next layers take), ViT (a vision transformer over image patches) and ConvNeXt (a convolutional vision
+model with stochastic depth, built of stages of layers). Dropout is on where the
 config has it. Nothing is downloaded (``HF_HUB_OFFLINE=1`` is fine). Sizes: ``tiny`` (the suite),
 ``small`` (benchmarks).
 
@@ -176,8 +177,27 @@ def _convnext(size: str) -> ZooCase:
                                f"{batch}x3x{image}x{image}, stochastic depth 0.1")
 
 
+def _vit(size: str) -> ZooCase:
+    t = _transformers()
+    layers, width, heads, _, batch = _SIZES[size]
+    image, patch = (64, 8) if size == "tiny" else (96, 8)
+    cfg = t.ViTConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=4 * width, image_size=image, patch_size=patch, num_labels=10,
+                      hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = t.ViTForImageClassification(cfg)
+
+    def make(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(3000 + step)
+        return {"pixel_values": torch.randn(2 * batch, 3, image, image, generator=g),
+                "labels": torch.randint(0, 10, (2 * batch,), generator=g)}
+
+    return ZooCase(name="vit", model=model, batch=make, checkpoint=_hf_checkpoint,
+                   description=f"ViTForImageClassification {layers} layers x{width}, {2 * batch}x3x{image}x{image} "
+                               f"({(image // patch) ** 2 + 1} tokens), dropout 0.1")
+
+
 ZOO: dict[str, Callable[[str], ZooCase]] = {
-    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "t5": _t5, "convnext": _convnext,
+    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "t5": _t5, "vit": _vit, "convnext": _convnext,
 }
 
 
@@ -185,18 +205,9 @@ def names() -> list[str]:
     return list(ZOO)
 
 
-_FRACTIONS = {
-    # ConvNeXt's units are its 4 stages; its outside peaks carry ~10 MB the tensors do not (convolution
-    # scratch), so memrt's own keep-all peak (42.4 MB at the tiny size) sits just above checkpointing
-    # every stage from outside (41.2-41.6 MB) and far below no checkpointing (52.3 MB): budgets at 0.03
-    # and 0.06 of the way need a plan, the one at 0.5 is met by keeping everything
-    "convnext": (0.03, 0.06, 0.5),
-}
-
-
 def budget_fractions(name: str) -> tuple[float, ...]:
     """Where the zoo's 3 budgets lie between the model's own checkpointing of every layer (0) and none (1)."""
-    return _FRACTIONS.get(name, (0.25, 0.5, 0.75))
+    return (0.25, 0.5, 0.75)
 
 
 def build(name: str, size: str = "tiny", *, seed: int = 0) -> ZooCase:

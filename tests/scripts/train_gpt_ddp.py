@@ -128,12 +128,13 @@ def main() -> None:
 
     if args.comm_only:
         buf = torch.ones(n_params)
-        times = []
+        times, cpu = [], []
         for i in range(args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             dist.all_reduce(buf)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
         loss_value = float("nan")
     else:
         net = model if args.no_comm else DDP(model, bucket_cap_mb=args.bucket_cap_mb)
@@ -147,10 +148,10 @@ def main() -> None:
                 dist.destroy_process_group()
                 return
         opt = torch.optim.AdamW(net.parameters(), lr=args.lr)
-        times, losses = [], []
+        times, cpu, losses = [], [], []
         for i in range(args.steps):
             x, y = batches[i % len(batches)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             logits = net(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             loss.backward()
@@ -158,17 +159,23 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             losses.append(loss.item())
         tail = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
         dist.all_reduce(tail)
         loss_value = float(tail) / world
     step_s = torch.tensor(sum(times) / max(1, len(times)))
     dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    # CPU seconds of the whole process (every thread: compute, gloo's and memrt's workers) per step, summed
+    # over the ranks: divided by the step time it is how many cores the job kept busy
+    cpu_s = torch.tensor(sum(cpu) / max(1, len(cpu)))
+    dist.all_reduce(cpu_s)
     peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         print("RESULT " + json.dumps({
             "tokens_per_s": world * args.batch * args.seq / float(step_s), "step_s": float(step_s),
+            "cpu_s_per_step": float(cpu_s),
             "peak_rss_mib": float(peak), "final_loss": loss_value if math.isfinite(loss_value) else None,
             "steps": args.steps, "world": world, "params": n_params,
             "mode": "comm-only" if args.comm_only else "no-comm" if args.no_comm else "ddp",
