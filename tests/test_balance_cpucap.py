@@ -83,3 +83,30 @@ def test_stale_cleanup_spares_caps_of_live_processes():
         for d in (live_dir, dead_dir):
             if d.exists():
                 d.rmdir()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not can_cap()[0], reason=f"cannot cap CPU here: {can_cap()[1]}")
+def test_benchmark_shim_keeps_its_cap_through_exec():
+    """The balance benchmark's rank shim caps itself and then execs the job: the job must run capped."""
+    from benchmarks._balance_jobs import _SHIM
+
+    probe = "print(open('/proc/self/cgroup').read())"
+    out = subprocess.run([sys.executable, "-c", _SHIM, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RANK": "0", "MEMRT_CPU_CAP": "0=0.5"})
+    assert out.returncode == 0, out.stderr
+    cpu_line = next(line for line in out.stdout.splitlines() if ":cpu" in line or line.startswith("0::"))
+    assert "memrt-cpucap-" in out.stdout, f"the job ran uncapped: {cpu_line}"
+    cpucap.remove_stale_caps()
+
+
+def test_benchmark_refuses_caps_that_cannot_slow_a_rank(monkeypatch):
+    from benchmarks._balance_jobs import _check_slowdown, _fair_cpus
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert _fair_cpus([1.0, 1.0, 0.5, 0.25], 2) == [0.625, 0.625, 0.5, 0.25]
+    _check_slowdown([1.0, 0.5], {0: 100.0, 1: 52.0}, how="caps 1/0.5")  # half as fast: the cap works
+    with pytest.raises(RuntimeError, match="did not take effect"):
+        _check_slowdown([1.0, 0.5], {0: 100.0, 1: 98.0}, how="caps 1/0.5")
+    with pytest.raises(RuntimeError, match="cannot slow"):
+        _check_slowdown([1.0, 1.0, 1.0, 0.5], {0: 50.0, 1: 50.0, 2: 50.0, 3: 50.0}, how="caps 1/1/1/0.5")

@@ -201,8 +201,7 @@ def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, 
     if register is not None:
         ddp.register_comm_hook = lambda state, hook: captured.append((state, hook))  # what memrt.comm registers
         try:
-            compress = None if sess.config.compress == "none" else sess.config.compress
-            register(ddp, compress=compress)
+            register(ddp, compress=sess.config.compress)  # the session's value: no environment read per bucket
         finally:
             del ddp.register_comm_hook
     if captured:
@@ -269,8 +268,7 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     if not comm_ok:
         return
     try:
-        compress = None if sess.config.compress == "none" else sess.config.compress
-        register(ddp, compress=compress)
+        register(ddp, compress=sess.config.compress)  # the session's value: no environment read per bucket
     except Exception as exc:  # noqa: BLE001
         _session.fail("registering the memrt.comm DDP hook", exc)
         return
