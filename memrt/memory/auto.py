@@ -261,8 +261,8 @@ class _State:
             logger.warning("memrt: this process's resident memory grew %.1f MiB more than the tensors memrt counts "
                            "for the step since memrt.auto (code and allocator memory of the first steps, buffers "
                            "outside torch, other objects the script made): "
-                           "a peak RSS growth measured from outside exceeds the step's tensor peak by about that "
-                           "much; the budget bounds a step's tensors, memrt's own included",
+                           "a peak RSS growth measured from outside a fresh process exceeds the step's tensor peak "
+                           "by about that much (certification counts a step's own resident growth, not this)",
                            untracked / 2**20)
 
     def _not_a_step(self, *, profiled: bool = True) -> None:
