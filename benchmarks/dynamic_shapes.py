@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                          ("a bucket profiled twice", once)):
             if not ok:
                 fail_line("memrt check pass", what)
+    grads.clear()  # every step's gradients of both passes (GBs): not kept through the timing rounds
+    ref_grads.clear()
     if top_plan is None:
         fail_line("memrt check pass", f"no plan for the bucket of length {context}")
     else:

@@ -1,14 +1,14 @@
 """Model zoo: memrt.auto on real transformers models, peak from outside and time vs the fastest fitting reference.
 
-    python -m benchmarks.model_zoo            # GPT-2, Llama, BERT, T5, ConvNeXt at the 'small' size
+    python -m benchmarks.model_zoo            # GPT-2, Llama, BERT, T5, ViT, ConvNeXt at the 'small' size
     python -m benchmarks.model_zoo --quick    # GPT-2 at the 'tiny' size (about 1 min on an idle 2-core machine)
 
 Per model, one fresh process (``memrt.testing.zoo_run``, ``MALLOC_MMAP_THRESHOLD_=65536``, an empty
 cache directory) measures, from outside (peak RSS growth over the arm), the references ``none`` (no
 checkpointing), ``ckpt1`` and ``ckpt2`` (the model's own ``activation_checkpointing_enable`` of every /
-every second layer; ConvNeXt, which has none: ``torch.utils.checkpoint`` of every / every second stage),
-then memrt.auto at 3 budgets between ``ckpt1`` and ``none`` (fractions 0.25, 0.5, 0.75 of the way, ConvNeXt
-0.03, 0.06, 0.5: ``memrt.testing.zoo.budget_fractions``; default settings, offload auto), 3 AdamW steps
+every second layer; ConvNeXt, which has none: ``torch.utils.checkpoint`` of every / every second layer),
+then memrt.auto at 3 budgets between ``ckpt1`` and ``none`` (fractions 0.25, 0.5, 0.75 of the way:
+``memrt.testing.zoo.budget_fractions``; default settings, offload auto), 3 AdamW steps
 each from the same seed. Then every arm is built again and timed in
 interleaved rounds in the same process. Printed per model and budget: outside peak / budget, whether the
 state_dict is bitwise stock's, and memrt's median step time over the fastest reference whose outside peak
