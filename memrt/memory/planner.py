@@ -107,6 +107,10 @@ class Plan:
     step's start + the rise of the kernel's high-water mark over the step); certification compares the
     higher of this and the tensor count with the budget. None: not measured, or the mark did not rise
     (an earlier moment of the process was higher), so the tensor count alone decided."""
+    outside_over_budget_bytes: int | None = None
+    """CPU: bytes by which the step's resident peak exceeded the budget while its tensors fitted, when no
+    plan removed that excess (memory outside torch's tensors: library scratch, allocator memory); the plan
+    was kept with a warning. None: the resident peak fitted, or was not read."""
     shape_scale: float = 1.0
     """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
     shape of its shape bucket (1.0: planned for the profiled shape)."""
