@@ -338,8 +338,8 @@ def _wait_all(procs: list, timeout_s: float) -> list[tuple[int, str, str]]:
 def result_lines(outputs: Sequence[tuple[int, str, str]], tag: str = "RESULT ") -> list[dict[str, Any]]:
     """Parse the ``RESULT {json}`` lines every rank printed; raise with the failing rank's stderr."""
     bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
-    if bad:
-        i, rc, err = bad[0]
+    if bad:  # the rank that failed first, not one killed because it did (SIGKILL from _wait_all)
+        i, rc, err = next((b for b in bad if b[1] != -9), bad[0])
         raise RuntimeError(f"rank {i} exited {rc}: {err.strip()[-1500:]}")
     found = []
     for _, out, _ in outputs:
