@@ -10,7 +10,8 @@ timeout, and the whole run under ``--limit``):
 - ``cuda``: ``torch.cuda.is_available()``; without it the run FAILs (exit 1), except in ``--dry-run``
   where it and every later CUDA step is a SKIP with that reason;
 - ``install``: memrt installed offline against the torch already there (``pip install --no-deps
-  --no-build-isolation --no-index -e .``; ``--dry-run``: pip's own ``--dry-run`` of the same command);
+  --no-build-isolation --no-index --use-pep517 -e .``; ``--dry-run``: pip's own ``--dry-run`` of the same command;
+  when pip fails, the later steps still run, importing memrt through a path shim);
 - ``imports``: a fresh process imports memrt, memrt.comm, memrt.profiling and the benchmarks;
 - ``offload_budgets`` (benchmarks/gpu_steps.py): GPT 12 x 512, seq 1024: memrt.auto at 90% and 60% of the
   keep-all peak, at 0.9x checkpoint-every-block's peak with the host tier, and at the smallest feasible

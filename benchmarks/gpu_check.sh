@@ -2,7 +2,7 @@
 # memrt's device check for a lent GPU (no network): one run (390 s deadline, hard kill <= 420 s), one JSON + one text table.
 #   bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]      (OUT_DIR default: $OUT, else ./gpu-check)
 # Python: $PYTHON, else .venv/bin/python, python3, python -- the first that imports torch. memrt is
-# installed offline against that torch (pip --no-deps --no-build-isolation --no-index -e .).
+# installed offline against that torch (pip --no-deps --no-build-isolation --no-index --use-pep517 -e .).
 # Exit: 0 when no row FAILs; 1 on a FAIL (incl. no CUDA device, except with --dry-run); 3 when no python
 # has torch; 124/137 when the hard time limit cut the run (the JSON keeps every row finished before).
 # Rows and figures: benchmarks/gpu_check.py.
