@@ -168,8 +168,8 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> 
             t.join()
         if errors:
             raise RuntimeError("standalone runs failed: " + "; ".join(errors))
-        _check_slowdown(caps, speeds, how=_cap_env(caps, list(range(world)), priority, capped)[1])
         env, how = _cap_env(caps, list(range(world)), priority, capped)
+        _check_slowdown(caps, speeds, how=how)
         if cluster is not None:
             cluster.__enter__()
         stock_sps, memrt_sps = [], []

@@ -224,12 +224,12 @@ def step_offload_budgets(out: Path) -> tuple[str, str, dict]:
     else:
         # The planner's smallest budget counts allocated bytes; certification measures reserved ones. A
         # user told "raise MEMRT_BUDGET to at least X" by certification's BudgetError does so once.
-        tries = []
+        tries: list[str] = []
+        arm = None
         for _ in range(2):
             try:
                 arm = _memrt_arm("min", smallest, None, ref, base)
                 arm["why"] = "; ".join(w for w in (arm["why"], how, *tries) if w)
-                arms.append(arm)
                 break
             except memrt.BudgetError as exc:
                 tries.append(f"{smallest} bytes: BudgetError at certification, smallest {exc.min_feasible_bytes}")
@@ -240,8 +240,8 @@ def step_offload_budgets(out: Path) -> tuple[str, str, dict]:
                 break
         else:
             tries.append("no certified plan after 2 budgets")
-        if len(arms) and arms[-1].get("arm") != "memrt@min":
-            arms.append({"arm": "memrt@min", "budget": smallest, "status": "FAIL", "why": f"{how}; " + "; ".join(tries)})
+        arms.append(arm or {"arm": "memrt@min", "budget": smallest, "status": "FAIL",
+                            "why": "; ".join([how, *tries])})
     bad = [a for a in arms if a.get("status") == "FAIL"]
     note = "" if deterministic else " (stock vs stock differs too: CUDA nondeterminism, see arm stock_again)"
     reason = (f"{len(arms) - 4 - len(bad)}/{len(arms) - 4} memrt arms fit with bitwise gradients; keep-all "

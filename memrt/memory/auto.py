@@ -330,8 +330,7 @@ class _State:
         p.measured_peak_bytes = max(int(measured), p.measured_peak_bytes or 0)
         _record(p)
         if self.budget is None or measured <= self.budget or p.outside_over_budget_bytes is not None:
-            entry.measured_shapes = widen(self.shapes, entry.measured_shapes)
-            self.cache.put(self.key, entry)
+            self._accept(self.key, entry)
             return
         over = measured - self.budget
         if counted is not None and counted <= self.budget:  # only memory outside the tensors is over
@@ -346,11 +345,13 @@ class _State:
                               f"memory model did not close")
         logger.warning("memrt: measured peak %d bytes is %d over the budget; re-planning with that held back",
                        measured, over)
-        # Hold back the model's measured error for this plan (measured - predicted), not only the overshoot:
-        # a plan predicted just inside budget - (margin + over) would be chosen again and miss by as much.
-        error = measured - (p.predicted_peak_bytes or 0)
-        margin = max(p.margin_bytes + over, error) + max(over // 8, 4096)
-        self._make_plan(entry.profile, margin=margin, tries=p.tries + 1, scale=p.shape_scale)
+        self._make_plan(entry.profile, margin=_overshoot_margin(p, measured, over), tries=p.tries + 1,
+                        scale=p.shape_scale)
+
+    def _accept(self, key: Any, entry: CacheEntry) -> None:
+        """The step under ``entry``'s plan is certified: its shapes are covered, the plan is cached."""
+        entry.measured_shapes = widen(self.shapes, entry.measured_shapes)
+        self.cache.put(key, entry)
 
     def _replan_for_outside(self, entry: CacheEntry, measured: int, over: int) -> None:
         """The tensors fit but resident memory does not: re-plan with the excess held back; when no plan
@@ -360,14 +361,13 @@ class _State:
         key = self.key
         logger.warning("memrt: this step's resident peak %d bytes is %d over the budget (memory outside torch's "
                        "tensors); re-planning with that held back", measured, over)
-        margin = max(p.margin_bytes + over, measured - (p.predicted_peak_bytes or 0)) + max(over // 8, 4096)
         try:
-            self._make_plan(entry.profile, margin=margin, tries=p.tries + 1, scale=p.shape_scale)
+            self._make_plan(entry.profile, margin=_overshoot_margin(p, measured, over), tries=p.tries + 1,
+                            scale=p.shape_scale)
         except BudgetError as exc:
             p.outside_over_budget_bytes = over
             self.key, self.entry = key, entry
-            entry.measured_shapes = widen(self.shapes, entry.measured_shapes)
-            self.cache.put(key, entry)
+            self._accept(key, entry)
             self.handle.set_plan(p)
             _record(p)
             logger.warning("memrt: no plan keeps this step's resident memory under the budget (%s); keeping "
@@ -395,6 +395,13 @@ class _State:
             self.meter = None
         self._step_was_training()
         self.handle.remove()
+
+
+def _overshoot_margin(p: Plan, measured: int, over: int) -> int:
+    """Bytes to hold back when re-planning after ``p`` measured ``over`` bytes above the budget: the model's
+    measured error for this plan (measured - predicted), not only the overshoot, since a plan predicted
+    just inside budget - (margin + over) would be chosen again and miss by as much."""
+    return max(p.margin_bytes + over, measured - (p.predicted_peak_bytes or 0)) + max(over // 8, 4096)
 
 
 def _output_tensors(obj: Any) -> list[torch.Tensor]:

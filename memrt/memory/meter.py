@@ -15,8 +15,9 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Meter", "CpuMeter", "ResidentPeak", "status_bytes", "CudaMeter", "CudaStats", "make_meter", "device_capacity_bytes", "known_tensors",
-           "watch_optimizers", "on_optimizer_step", "owns_parameters", "resident_bytes"]
+__all__ = ["Meter", "CpuMeter", "ResidentPeak", "status_bytes", "CudaMeter", "CudaStats", "make_meter",
+           "device_capacity_bytes", "known_tensors", "watch_optimizers", "on_optimizer_step", "owns_parameters",
+           "resident_bytes"]
 
 
 class Meter:

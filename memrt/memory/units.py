@@ -4,8 +4,8 @@ Default: the repeated blocks of the model, i.e. the children of every ``ModuleLi
 whose children (two or more) all have the same class (outermost such containers; the model itself
 counts when it is one). When each of those children holds repeated blocks of its own (the stages of a
 ConvNeXt or ResNet, each a run of layers), the inner blocks are the units: finer units give the planner
-more to choose from and recompute less at once. A model without any: its direct children. Override with class names
-(``units=["Block"]``): the outermost submodules of those classes.
+more to choose from and recompute less at once. A model without any: its direct children. Override with
+class names (``units=["Block"]``): the outermost submodules of those classes.
 """
 
 from __future__ import annotations
