@@ -343,10 +343,14 @@ class _State:
                               f"measured peak {measured} bytes exceeds the budget by {over} bytes after "
                               f"{p.tries} plans (predicted {p.predicted_peak_bytes}); the error term of the "
                               f"memory model did not close")
+        # The tensors are over: hold back the tensors' overshoot. A resident excess on top of it is judged
+        # on the next step, once the tensors fit (resident growth of a step also holds first-use memory of
+        # threads and buffers that no plan changes).
+        tensors = measured if counted is None else counted
         logger.warning("memrt: measured peak %d bytes is %d over the budget; re-planning with that held back",
-                       measured, over)
-        self._make_plan(entry.profile, margin=_overshoot_margin(p, measured, over), tries=p.tries + 1,
-                        scale=p.shape_scale)
+                       tensors, tensors - self.budget)
+        self._make_plan(entry.profile, margin=_overshoot_margin(p, tensors, tensors - self.budget),
+                        tries=p.tries + 1, scale=p.shape_scale)
 
     def _accept(self, key: Any, entry: CacheEntry) -> None:
         """The step under ``entry``'s plan is certified: its shapes are covered, the plan is cached."""
