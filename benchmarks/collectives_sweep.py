@@ -16,9 +16,12 @@ On the emulated cluster, ``bound`` is the link bound: the bytes that must cross 
 each direction divided by the link rate (all_reduce: size; all_gather: size/2; reduce_scatter: size/2;
 broadcast: size), and ``%bound`` = bound / time. Ratios are against ``gloo`` measured in the same run.
 
-``auto vs best`` (per op and size, when memrt-flat, memrt-hier and memrt-auto ran): memrt-auto's time
-against the better of memrt-flat and memrt-hier in the same run, the algorithm auto chose (from its
-comm log), and a ``SLOWER`` flag where auto is more than 5% slower than that best (AUTO_SLACK).
+``auto vs best`` (per op and size): memrt-auto's time against the better of flat and hier, the algorithm
+auto chose (from its comm log), a ``SLOWER`` flag where auto is more than 5% slower than that best
+(AUTO_SLACK) and ``WRONG CHOICE`` where the algorithm auto chose is. From the ``memrt-check`` arm: flat, hier
+and auto in one process, alternating round by round (``memrt.comm.comm_mode``), medians of the rounds, so
+the three see the same machine (separate runs of a few-millisecond call differ by tens of percent on a
+shared machine); without it, from the memrt-flat, memrt-hier and memrt-auto arms.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt
 __all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR", "AUTO_SLACK", "auto_check"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-IMPLS = ("gloo", "mpi", "memrt-flat", "memrt-hier", "memrt-auto")
+IMPLS = ("gloo", "mpi", "memrt-flat", "memrt-hier", "memrt-auto", "memrt-check")
 NODES = ((0, 1), (2, 3))
 
 
@@ -116,6 +119,70 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
     dist.destroy_process_group()
 
 
+CHECK_MODES = ("flat", "hier", "auto")
+
+
+def _check_rounds(size: int, quick: bool) -> tuple[int, int]:
+    """(rounds, calls per round) of the interleaved auto check at ``size``."""
+    if quick:
+        return 3, 2
+    return (3, 1) if size >= 16 * 2**20 else (5, 2) if size >= 2**20 else (21, 5)
+
+
+def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
+    """memrt-check: per (op, size), flat, hier and auto in one process, interleaved round by round (the order
+    rotates each round), so that all three see the same machine; per mode the median of the rounds' mean
+    call times (slowest rank)."""
+    import statistics
+
+    import torch
+    import torch.distributed as tdist
+
+    import memrt.comm as dist
+    from memrt.profiling.recorder import get_recorder
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    log = get_recorder().comm
+    rows = []
+    for op in ops:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            big, small = torch.ones(numel), torch.ones(numel // n)
+            call = {"all_reduce": lambda: dist.all_reduce(big),
+                    "all_gather": lambda: dist.all_gather_into_tensor(big, small),
+                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big),
+                    "broadcast": lambda: dist.broadcast(big, src=0)}[op]
+            rounds, calls = _check_rounds(size, quick)
+            times: dict[str, list[float]] = {m: [] for m in CHECK_MODES}
+            chosen: set[str] = set()
+            for mode in CHECK_MODES:  # warm-up of each path
+                with dist.comm_mode(mode):
+                    call()
+            for rnd in range(rounds):
+                for k in range(len(CHECK_MODES)):
+                    mode = CHECK_MODES[(rnd + k) % len(CHECK_MODES)]
+                    with dist.comm_mode(mode):
+                        seen = len(log)
+                        tdist.barrier()
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            call()
+                        elapsed = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
+                        if mode == "auto":
+                            chosen |= {r.algorithm for r in log[seen:] if r.op == op}
+                    tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
+                    times[mode].append(float(elapsed))
+            for mode in CHECK_MODES:
+                rows.append({"op": op, "size": numel * 4, "mode": mode, "time_s": statistics.median(times[mode]),
+                             "rounds": rounds, "calls": calls, "times_s": times[mode],
+                             "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode})
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"impl": "memrt-check", "world": n, "rows": rows}), flush=True)
+    dist.destroy_process_group()
+
+
 def _mpi_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
     import numpy as np
     from mpi4py import MPI
@@ -167,7 +234,7 @@ def _run_impl(impl: str, net: str, cluster: Any, ops: list[str], sizes: list[int
         outs = [(0, proc.stdout, proc.stderr)]
     else:
         env = {"MEMRT_TOPOLOGY": "0,1;2,3"}
-        if impl.startswith("memrt-"):
+        if impl.startswith("memrt-") and impl != "memrt-check":
             env["MEMRT_COMM"] = impl.split("-", 1)[1]
     try:
         if impl != "mpi":
@@ -235,7 +302,8 @@ def run_net(net: str, impls: list[str], ops: list[str], sizes: list[int], quick:
 
 def _table(res: dict[str, Any], op: str) -> list[list[str]]:
     n = 4
-    by = {impl: {row["size"]: row for row in r["rows"] if row["op"] == op} for impl, r in res["results"].items()}
+    by = {impl: {row["size"]: row for row in r["rows"] if row["op"] == op} for impl, r in res["results"].items()
+          if impl != "memrt-check"}  # its rows are the auto check's (auto_check)
     gloo = by.get("gloo", {})
     sizes = sorted({s for d in by.values() for s in d})
     out = []
@@ -256,30 +324,46 @@ def _table(res: dict[str, Any], op: str) -> list[list[str]]:
 
 
 def auto_check(res: dict[str, Any], op: str) -> list[dict[str, Any]]:
-    """Per size: memrt-auto's time vs the better of memrt-flat and memrt-hier; ``slower`` when auto
-    takes more than AUTO_SLACK x that best."""
+    """Per size: memrt-auto's time vs the better of flat and hier; ``slower`` when auto takes more than
+    AUTO_SLACK x that best, ``wrong`` when auto chose the other algorithm and that one takes more than
+    AUTO_SLACK x the best. From the interleaved memrt-check arm when it ran (one process, the three modes
+    alternating), else from the separate memrt-flat, memrt-hier and memrt-auto runs."""
     r = res.get("results", {})
-    if not all(k in r for k in ("memrt-flat", "memrt-hier", "memrt-auto")):
+    by: dict[int, dict[str, dict[str, Any]]] = {}
+    if "memrt-check" in r:
+        source = "interleaved"
+        for row in r["memrt-check"]["rows"]:
+            if row["op"] == op:
+                by.setdefault(row["size"], {})[row["mode"]] = row
+    elif all(k in r for k in ("memrt-flat", "memrt-hier", "memrt-auto")):
+        source = "separate runs"
+        for mode in ("flat", "hier", "auto"):
+            for row in r[f"memrt-{mode}"]["rows"]:
+                if row["op"] == op:
+                    by.setdefault(row["size"], {})[mode] = row
+    else:
         return []
-    by = {k: {row["size"]: row for row in r[k]["rows"] if row["op"] == op}
-          for k in ("memrt-flat", "memrt-hier", "memrt-auto")}
     out = []
-    for size in sorted(by["memrt-auto"]):
-        if size not in by["memrt-flat"] or size not in by["memrt-hier"]:
+    for size in sorted(by):
+        modes = by[size]
+        if not all(m in modes for m in ("flat", "hier", "auto")):
             continue
-        flat, hier = by["memrt-flat"][size]["time_s"], by["memrt-hier"][size]["time_s"]
-        auto = by["memrt-auto"][size]
+        flat, hier, auto = modes["flat"]["time_s"], modes["hier"]["time_s"], modes["auto"]
         best = min(flat, hier)
+        chose = auto.get("algorithm")
+        chose_s = {"flat": flat, "hier": hier}.get(chose or "")
         out.append({"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
-                    "best": "flat" if flat <= hier else "hier", "auto_chose": auto.get("algorithm"),
-                    "auto_over_best": auto["time_s"] / best, "slower": auto["time_s"] > AUTO_SLACK * best})
+                    "best": "flat" if flat <= hier else "hier", "auto_chose": chose, "source": source,
+                    "auto_over_best": auto["time_s"] / best, "slower": auto["time_s"] > AUTO_SLACK * best,
+                    "wrong": chose_s is not None and chose_s > AUTO_SLACK * best})
     return out
 
 
 def _auto_rows(checks: list[dict[str, Any]]) -> list[list[str]]:
     return [[f"{c['size']}", f"{c['auto_s'] * 1e6:.1f}", c["auto_chose"] or "-", f"{c['flat_s'] * 1e6:.1f}",
              f"{c['hier_s'] * 1e6:.1f}", c["best"], f"{c['auto_over_best']:.3f}",
-             f"SLOWER (> {AUTO_SLACK:.2f}x best)" if c["slower"] else "ok"] for c in checks]
+             ", ".join(w for w, on in ((f"SLOWER (> {AUTO_SLACK:.2f}x best)", c["slower"]),
+                                       ("WRONG CHOICE", c.get("wrong"))) if on) or "ok"] for c in checks]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(s) for s in args.sizes.split(",")]
         if args.worker == "mpi":
             _mpi_worker(ops, sizes, args.quick)
+        elif args.worker == "memrt-check":
+            _check_worker(ops, sizes, args.quick)
         else:
             _torch_worker(args.worker, ops, sizes, args.quick)
         return 0
@@ -320,13 +406,17 @@ def main(argv: list[str] | None = None) -> int:
             if checks:
                 print_table(["size (B)", "auto (us)", "auto chose", "flat (us)", "hier (us)", "best", "auto/best",
                              "check"], _auto_rows(checks),
-                            title=f"{op} | {net} | memrt-auto vs the better of memrt-flat and memrt-hier (same run)")
+                            title=f"{op} | {net} | memrt-auto vs the better of flat and hier ({checks[0]['source']})")
         slow = [c for c in res["auto_check"] if c["slower"]]
+        wrong = [c for c in res["auto_check"] if c["wrong"]]
         if res["auto_check"]:
             print(f"# {net}: auto more than {AUTO_SLACK:.2f}x the better algorithm at {len(slow)} of "
                   f"{len(res['auto_check'])} (op, size) points"
                   + (": " + ", ".join(f"{c['op']} {c['size']} B ({c['auto_over_best']:.2f}x)" for c in slow)
-                     if slow else ""), flush=True)
+                     if slow else "")
+                  + f"; chose an algorithm more than {AUTO_SLACK:.2f}x the better one at {len(wrong)}"
+                  + (": " + ", ".join(f"{c['op']} {c['size']} B ({c['auto_chose']})" for c in wrong)
+                     if wrong else ""), flush=True)
     write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out,
                                                "failed": failures()})
     save_plot(args.out, "collectives_sweep", _plot(out, ops))

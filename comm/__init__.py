@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memrt.comm.api import (MemrtWork, all_gather, all_gather_into_tensor, all_gather_single,
-                            all_reduce, broadcast, destroy_process_group, get_topology, init_process_group, prepare,
+                            all_reduce, broadcast, comm_mode, destroy_process_group, get_topology, init_process_group, prepare,
                             reduce_scatter_single, reduce_scatter_tensor, set_checks, setup_topology)
 from memrt.comm.ddp_hook import DDPHookState, ddp_comm_hook, register_ddp_hook
 from memrt.comm.explain import explain  # issue 6: per (op, size) table of choices and timings
@@ -24,7 +24,7 @@ from memrt.comm.topology import Topology
 __all__ = [
     "CollectiveMismatchError", "DDPHookState", "MemrtWork", "PeerFailureError", "Topology",
     "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_reduce_coalesced", "broadcast",
-    "ddp_comm_hook", "explain",
+    "comm_mode", "ddp_comm_hook", "explain",
     "destroy_process_group", "get_topology", "init_process_group", "prepare", "reduce_scatter_single",
     "reduce_scatter_tensor", "register_ddp_hook", "set_checks", "setup_topology",
 ]

@@ -13,6 +13,8 @@ several ranks). Profiler events: one per user call, named as the backend's (:mod
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -32,7 +34,7 @@ from memrt.comm.topology import Topology, discover
 
 __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup_topology", "all_reduce",
            "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-           "reduce_scatter_single", "MemrtWork", "set_checks", "prepare"]
+           "reduce_scatter_single", "MemrtWork", "set_checks", "prepare", "comm_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,20 @@ def set_checks(enabled: bool) -> None:
     if enabled and _st.check_group is None:
         _st.check_group = tdist.new_group(backend="gloo")
     _st.checks = enabled
+
+
+@contextlib.contextmanager
+def comm_mode(mode: str):
+    """Calls inside ``with comm_mode(mode):`` choose as under ``MEMRT_COMM=mode`` (auto, flat, hier or off),
+    e.g. to time one algorithm against another in one process. Every rank must enter it around the same
+    calls (the choice must agree across ranks). Needs memrt.comm's process group (groups are made at init)."""
+    _ensure()
+    saved = _st.config
+    _st.config = dataclasses.replace(saved, comm=mode)  # an unknown mode: ConfigError naming MEMRT_COMM
+    try:
+        yield
+    finally:
+        _st.config = saved
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -77,11 +77,12 @@ class LinkModel:
     codec_s_per_byte: dict[str, float] = field(default_factory=dict)
     """Encode + decode time per input byte of each codec (bf16, fp16, int8), seconds/byte."""
     call_overhead_s: dict[str, float] = field(default_factory=dict)
-    """Per algorithm (flat, hier): measured time of an 8-byte call minus its modelled alpha terms,
-    seconds (threads, staging, Python; negative when the alphas overstate it), so that the latency
-    part of a prediction is the measured small-call time."""
+    """Per algorithm (flat, hier) of all-reduce, and per ``"<op>:<algorithm>"`` of all_gather,
+    reduce_scatter and broadcast (``overhead_key``): measured time of an 8-byte call minus its modelled
+    alpha terms, seconds (threads, staging, Python; negative when the alphas overstate it), so that the
+    latency part of a prediction is the measured small-call time."""
     mid_overhead_s: dict[str, float] = field(default_factory=dict)
-    """Per algorithm (flat, hier): the same for a 1 MiB call (``MID_CALL_BYTES``), after its
+    """Per algorithm (and op, as ``call_overhead_s``): the same for a 1 MiB call (``MID_CALL_BYTES``), after its
     efficiency-scaled bandwidth terms. A call of ``n`` bytes pays ``call_overhead_s`` plus ``n / 1 MiB``
     of the difference, all of it from 1 MiB up (on crowded cores a ring step that moves data waits for
     its peer to be scheduled, which an 8-byte call does not show). Empty: the 8-byte figure throughout."""
@@ -188,17 +189,29 @@ MID_CALL_BYTES = 1 << 20
 """Size of the calibration call whose overhead applies from this size up (``LinkModel.mid_overhead_s``)."""
 
 
-def call_overhead(model: LinkModel, algorithm: str, nbytes: float) -> float:
-    """Measured per-call overhead of ``algorithm`` for an ``nbytes`` call (see ``LinkModel.mid_overhead_s``)."""
-    small = model.call_overhead_s.get(algorithm, 0.0)
-    if algorithm not in model.mid_overhead_s:
+def overhead_key(op: str, algorithm: str) -> str:
+    """Key of ``op``'s per-call overhead in ``LinkModel.call_overhead_s`` / ``mid_overhead_s``: the
+    algorithm's name for all_reduce, ``"<op>:<algorithm>"`` for the other ops."""
+    return algorithm if op == "all_reduce" else f"{op}:{algorithm}"
+
+
+def call_overhead(model: LinkModel, algorithm: str, nbytes: float, op: str = "all_reduce") -> float:
+    """Measured per-call overhead of ``algorithm`` for an ``nbytes`` call of ``op`` (see
+    ``LinkModel.mid_overhead_s``). Each op has its own figures, since its formula counts other alpha terms
+    than all-reduce's; a model probed without them uses all-reduce's."""
+    key = overhead_key(op, algorithm)
+    if key not in model.call_overhead_s:
+        key = algorithm
+    small = model.call_overhead_s.get(key, 0.0)
+    if key not in model.mid_overhead_s:
         return small
-    return small + (model.mid_overhead_s[algorithm] - small) * min(1.0, nbytes / MID_CALL_BYTES)
+    return small + (model.mid_overhead_s[key] - small) * min(1.0, nbytes / MID_CALL_BYTES)
 
 
-def _calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float, nbytes: float) -> float:
+def _calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float, nbytes: float,
+                op: str = "all_reduce") -> float:
     """alpha terms + measured per-call overhead + efficiency x (beta and gamma terms)."""
-    lat = max(0.0, latency_s + call_overhead(model, algorithm, nbytes))
+    lat = max(0.0, latency_s + call_overhead(model, algorithm, nbytes, op))
     return lat + model.efficiency.get(algorithm, 1.0) * bandwidth_s
 
 

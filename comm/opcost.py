@@ -38,10 +38,11 @@ def _ring_link(nodes: Nodes, model: cm.LinkModel) -> cm.TierLink:
     return cm._slowest(model.intra, model.inter)  # noqa: SLF001 - the same rule as flat_all_reduce
 
 
-def _timed(model: cm.LinkModel, algorithm: str, cost, nbytes: float) -> float:
-    """``cost(x)`` of the full size, split into alpha terms (``cost(0)``) and size terms, calibrated."""
+def _timed(model: cm.LinkModel, op: str, algorithm: str, cost, nbytes: float) -> float:
+    """``cost(x)`` of the full size, split into alpha terms (``cost(0)``) and size terms, calibrated with
+    ``op``'s own measured call overhead."""
     lat = cost(0.0)
-    return cm._calibrated(model, algorithm, lat, cost(nbytes) - lat, nbytes)  # noqa: SLF001
+    return cm._calibrated(model, algorithm, lat, cost(nbytes) - lat, nbytes, op)  # noqa: SLF001
 
 
 # ---------------------------------------------------------------- all_gather
@@ -49,7 +50,7 @@ def flat_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
     """The backend's ring over all ranks: T = (p-1) alpha + (p-1) block beta_slowest."""
     p, _, _ = _shape(nodes)
     link = _ring_link(nodes, model)
-    return _timed(model, "flat", lambda b: cm.ring_all_gather(p, p * b, link), block)
+    return _timed(model, "all_gather", "flat", lambda b: cm.ring_all_gather(p, p * b, link), block)
 
 
 def hierarchical_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
@@ -74,7 +75,7 @@ def hierarchical_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> 
         c = b / chunks
         return stage_i(c) + stage_a(c) + (chunks - 1) * max(stage_i(c), stage_a(c))
 
-    return _timed(model, "hier", cost, block)
+    return _timed(model, "all_gather", "hier", cost, block)
 
 
 # ---------------------------------------------------------------- reduce_scatter
@@ -83,11 +84,12 @@ def flat_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, bac
     all-reduce of the whole input (its profiler event is ``gloo:all_reduce`` with the input's shape,
     torch 2.x): cost = the flat all-reduce. Other backends: ring reduce-scatter,
     T = (p-1) alpha + (p-1)/p n (beta_slowest + gamma)."""
-    if backend == "gloo":
-        return cm.flat_all_reduce(nodes, nbytes, model)
     p, _, _ = _shape(nodes)
     link = _ring_link(nodes, model)
-    return _timed(model, "flat", lambda n: cm.ring_reduce_scatter(p, n, link, model.gamma_s_per_byte), nbytes)
+    gamma = model.gamma_s_per_byte
+    if backend == "gloo":
+        return _timed(model, "reduce_scatter", "flat", lambda n: cm.ring_all_reduce(p, n, link, gamma), nbytes)
+    return _timed(model, "reduce_scatter", "flat", lambda n: cm.ring_reduce_scatter(p, n, link, gamma), nbytes)
 
 
 def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> float:
@@ -112,7 +114,7 @@ def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel
         x = n / chunks
         return stage_a(x) + stage_b(x) + (chunks - 1) * max(stage_a(x), stage_b(x))
 
-    return _timed(model, "hier", cost, nbytes)
+    return _timed(model, "reduce_scatter", "hier", cost, nbytes)
 
 
 # ---------------------------------------------------------------- broadcast
@@ -156,7 +158,7 @@ def flat_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, src: int
         return sum(inter.alpha_s + n * _flow_beta(inter, flows, local) if flows else
                    model.intra.alpha_s + n * model.intra.beta(False) for flows in rounds)
 
-    return _timed(model, "flat", cost, nbytes)
+    return _timed(model, "broadcast", "flat", cost, nbytes)
 
 
 def hierarchical_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> float:
@@ -182,4 +184,4 @@ def hierarchical_broadcast(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> 
         c = n / chunks
         return stage_i(c) + stage_a(c) + (chunks - 1) * max(stage_i(c), stage_a(c))
 
-    return _timed(model, "hier", cost, nbytes)
+    return _timed(model, "broadcast", "hier", cost, nbytes)

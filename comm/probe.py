@@ -12,8 +12,10 @@ Every transfer and rate is measured on the group's device (:func:`memrt.comm.str
 CUDA tensors on NCCL, timed after ``torch.cuda.synchronize``; CPU tensors on gloo and MPI).
 
 Plus local rates: the reduction (``gamma``) and each codec's encode + decode; and, when memrt.comm's
-groups are given, an 8-byte and a 16 MiB call of each algorithm: the first gives the algorithm's own
-per-call latency (replacing the formula's alpha terms), the second its efficiency (measured / modelled bandwidth time). The result is the
+groups are given, an 8-byte, a 1 MiB and a 16 MiB all-reduce of each algorithm: the first gives the
+algorithm's own per-call latency (replacing the formula's alpha terms), the last two its efficiency (measured /
+modelled bandwidth time); and an 8-byte and a 1 MiB call of all_gather, reduce_scatter and broadcast per
+algorithm, each op's own per-call latency (its formula counts other alpha terms). The result is the
 same on every rank (times are max-reduced before fitting) and is cached in
 ``<cache dir>/comm-links-<topology key>.json``; later runs on the same hosts and grouping load it
 instead of probing. Cache dir: ``cache_dir=`` > ``MEMRT_REPORT_DIR`` > ``$XDG_CACHE_HOME/memrt`` >
@@ -30,7 +32,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -40,6 +42,10 @@ __all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "to
            "checked_link_model"]
 
 logger = logging.getLogger(__name__)
+
+PROBE_FORMAT = 2
+"""Version of what the probe measures; part of the cache key, so that a model cached by an older probe
+(without every op's call overhead) is measured again."""
 
 INTRA_SIZES = (8, 256 << 10, 4 << 20)
 """Bytes per exchange for the intra tier."""
@@ -88,7 +94,7 @@ def _host_identity() -> str:
 
 def topology_key(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str], hosts: Sequence[str]) -> str:
     """Stable key of (grouping, device kinds, host identities): a different cluster gets a new probe."""
-    text = repr((tuple(tuple(n) for n in nodes), tuple(device_kinds), tuple(hosts)))
+    text = repr((PROBE_FORMAT, tuple(tuple(n) for n in nodes), tuple(device_kinds), tuple(hosts)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -159,29 +165,63 @@ def _local_rates(nbytes: int = 4 << 20, device: torch.device | None = None) -> l
     return rates
 
 
-def _time_call(fn, reps: int = 5, device: torch.device | None = None) -> float:
+def _time_calls(fns: Sequence[Callable[[], Any]], reps: int = 5, device: torch.device | None = None) -> list[float]:
+    """Median seconds of each of ``fns``, timed between barriers and alternating (rep k runs every fn once,
+    the order rotating), so that drift of a shared machine falls on all of them alike; one untimed warm-up
+    round."""
     import torch.distributed as dist
 
     device = device if device is not None else torch.device("cpu")
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     for rep in range(reps + 1):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if rep:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k in range(len(fns)):
+            i = (rep + k) % len(fns)
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[i]()
+            _sync(device)
+            if rep:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 CALIBRATION_BYTES = 16 << 20
 """Size of the mid-size call of each algorithm that calibrates its efficiency (four 4 MiB pipeline chunks)."""
 
 
+_OTHER_OPS = ("all_gather", "reduce_scatter", "broadcast")
+"""Ops whose per-call overheads are measured besides all-reduce's (their formulas count other alpha terms)."""
+
+
+def _op_calls(op: str, nbytes: int, world: int, topology, groups, device: torch.device):
+    """(flat, hier) callables of one ``op`` call of ``nbytes`` in the cost model's convention (all_gather:
+    one rank's block; reduce_scatter: the whole input; broadcast: the tensor), from rank 0."""
+    import torch.distributed as dist
+
+    from memrt.comm import algorithms as alg
+
+    numel = max(1, nbytes // 4)
+    if op == "all_gather":
+        inp, out = torch.ones(numel, device=device), torch.empty(numel * world, device=device)
+        return (lambda: dist.all_gather_into_tensor(out, inp),
+                lambda: alg.hierarchical_all_gather(out, inp, topology, groups=groups))
+    if op == "reduce_scatter":
+        block = max(1, numel // world)
+        inp, out = torch.ones(block * world, device=device), torch.empty(block, device=device)
+        return (lambda: dist.reduce_scatter_tensor(out, inp),
+                lambda: alg.hierarchical_reduce_scatter(out, inp, "SUM", topology, groups=groups))
+    x = torch.ones(numel, device=device)
+    return (lambda: dist.broadcast(x, src=0),
+            lambda: alg.hierarchical_broadcast(x, 0, topology, groups=groups))
+
+
 def _call_times(topology, groups, device: torch.device | None = None) -> list[float]:
     """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat (torch) and hierarchical (memrt)
-    all-reduce (medians; the 1 MiB call is repeated most, its timing being the noisiest)."""
+    all-reduce, then of an 8-byte and a MID_CALL_BYTES call of each of ``_OTHER_OPS`` flat and
+    hierarchical (medians; all-reduce's 1 MiB call and the other ops' 8-byte calls are repeated most, their
+    timings being the noisiest). all_gather and reduce_scatter have a hierarchical path on equal nodes
+    only: elsewhere they are not timed."""
     import torch.distributed as dist
 
     from memrt.comm.algorithms import hierarchical_all_reduce
@@ -190,9 +230,22 @@ def _call_times(topology, groups, device: torch.device | None = None) -> list[fl
     out = []
     for numel, reps in ((2, 5), (MID_CALL_BYTES // 4, 9), (CALIBRATION_BYTES // 4, 5)):
         x = torch.ones(numel, device=device)
-        out.append(_time_call(lambda: dist.all_reduce(x), reps, device))
-        out.append(_time_call(lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups), reps, device))
+        out += _time_calls([lambda: dist.all_reduce(x),
+                            lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups)], reps, device)
+    world = sum(len(n) for n in topology.nodes)
+    for op in _timed_ops(topology.nodes):
+        for nbytes, reps in ((8 * world if op == "reduce_scatter" else 8, 15), (MID_CALL_BYTES, 9)):
+            out += _time_calls(_op_calls(op, nbytes, world, topology, groups, device), reps, device)
     return out
+
+
+def _timed_ops(nodes: tuple[tuple[int, ...], ...]) -> tuple[str, ...]:
+    """The ops of ``_OTHER_OPS`` that have a choice on ``nodes`` (several nodes; all_gather and
+    reduce_scatter: equal nodes)."""
+    if len(nodes) <= 1:
+        return ()
+    uniform = len({len(n) for n in nodes}) == 1
+    return tuple(op for op in _OTHER_OPS if uniform or op == "broadcast")
 
 
 def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = "", topology=None,
@@ -282,12 +335,40 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
             efficiency[algo] = min(8.0, max(0.25, measured / modelled)) if modelled > 0 and measured > 0 else 1.0
             bandwidth = fn[algo](nodes, MID_CALL_BYTES, bare) - fn[algo](nodes, 0, bare)
             mid_overhead[algo] = one[algo] - fn[algo](nodes, 0, bare) - efficiency[algo] * bandwidth
+        i += 6
+        overhead_ops, mid_ops = _op_overheads(nodes, vals[i:], bare, efficiency)
+        overhead.update(overhead_ops)
+        mid_overhead.update(mid_ops)
     model = LinkModel(intra=intra, inter=inter, gamma_s_per_byte=gamma, codec_s_per_byte=codec, topology_key=key,
                       call_overhead_s=overhead, mid_overhead_s=mid_overhead, efficiency=efficiency,
                       measured_at=_dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat(timespec="seconds"),
                       probe_seconds=elapsed)
     logger.info("probed links in %.2fs: %s", model.probe_seconds, model)
     return model
+
+
+def _op_overheads(nodes: tuple[tuple[int, ...], ...], vals: Sequence[float], bare: LinkModel,
+                  efficiency: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-call overheads of ``_OTHER_OPS`` from their timings (``_call_times``' order): measured minus
+    modelled, as all-reduce's, keyed by ``costmodel.overhead_key``."""
+    from memrt.comm import costmodel as cm
+    from memrt.comm.select import predict
+
+    world = sum(len(n) for n in nodes)
+    small, mid = {}, {}
+    it = iter(vals)
+    for op in _timed_ops(nodes):
+        for nbytes in (8 * world if op == "reduce_scatter" else 8, MID_CALL_BYTES):
+            for algo in ("flat", "hier"):
+                measured = next(it)
+                key = cm.overhead_key(op, algo)
+                zero = predict(algo, 0, nodes, bare, op=op)
+                if nbytes == MID_CALL_BYTES:
+                    bandwidth = predict(algo, nbytes, nodes, bare, op=op) - zero
+                    mid[key] = measured - zero - efficiency.get(algo, 1.0) * bandwidth
+                else:
+                    small[key] = measured - predict(algo, nbytes, nodes, bare, op=op)
+    return small, mid
 
 
 def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str] = (), *, group=None,

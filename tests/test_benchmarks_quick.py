@@ -45,13 +45,21 @@ def test_benchmarks_quick_modes(tmp_path):
     assert (tmp_path / "memory_frontier.png").exists()
 
     # collectives: nccl-tests columns; gloo is the baseline measured in the same run
-    data, out = _run(["benchmarks.collectives_sweep", "--impls", "gloo,memrt-auto", "--ops", "all_reduce",
-                      "--max-size", "64KiB"], tmp_path, 600)
+    data, out = _run(["benchmarks.collectives_sweep", "--impls", "gloo,memrt-auto,memrt-check", "--ops",
+                      "all_reduce,broadcast", "--max-size", "64KiB"], tmp_path, 600)
     res = data["nets"][0]["results"]
-    for row in res["gloo"]["rows"]:
+    for row in res["gloo"]["rows"]:  # nccl-tests' bus factor: 2(n-1)/n for all_reduce, 1 for broadcast
         assert row["vs_gloo"] == 1.0 and row["algbw_GBps"] > 0 and row["busbw_GBps"] == pytest.approx(
-            row["algbw_GBps"] * 1.5)
+            row["algbw_GBps"] * (1.5 if row["op"] == "all_reduce" else 1.0))
     assert "memrt-auto" in res and res["memrt-auto"]["rows"], "the memrt arm was not measured"
+    # the auto check: flat, hier and auto interleaved in one process, auto's pick read from its comm log
+    checks = data["nets"][0]["auto_check"]
+    assert {(c["op"], c["size"]) for c in checks} == {(op, s) for op in ("all_reduce", "broadcast")
+                                                      for s in (1024, 4096, 16384, 65536)}
+    for c in checks:
+        assert c["source"] == "interleaved" and c["auto_chose"] in ("flat", "hier"), c
+        assert c["flat_s"] > 0 and c["hier_s"] > 0 and c["auto_s"] > 0
+    assert "(interleaved)" in out
     assert data["failed"] == [] and "FAIL" not in out
 
     # end to end: unchanged script, stock vs MEMRT=1 (exact mode trains to the same loss)

@@ -22,7 +22,8 @@ def _e2e(rank, world):
     t0 = time.perf_counter()
     api.setup_topology(health=False)
     topo = dist.get_topology()
-    out = {"links_probed": topo.links is not None and topo.links.inter is not None}
+    out = {"links_probed": topo.links is not None and topo.links.inter is not None,
+           "overhead_keys": sorted(topo.links.call_overhead_s), "mid_keys": sorted(topo.links.mid_overhead_s)}
     probe.clear_memo()
     model2, probed = probe.ensure_link_model(topo.nodes, topo.device_kinds)
     out["cache_hit"] = (not probed) and model2 == topo.links  # same model on every rank, loaded not probed
@@ -118,6 +119,8 @@ def test_fusion_compression_ddp_ef_probe_cache_on_two_fake_nodes(tmp_path):
     assert list(tmp_path.glob("comm-links-*.json")), "probe result not cached"
     for r in res:
         assert r["links_probed"] and r["cache_hit"]
+        ops = [f"{op}:{a}" for op in ("all_gather", "broadcast", "reduce_scatter") for a in ("flat", "hier")]
+        assert r["overhead_keys"] == r["mid_keys"] == sorted(ops + ["flat", "hier"])  # every op's own call overhead
         assert r["coalesced_equal"] and r["coalesced_calls"] == 1  # 40 tensors, one collective
         assert r["auto_equal"] and r["auto_calls"] < 30  # back-to-back async calls were fused
         assert r["compressed_identical"] and r["compressed_rel_err"] < 0.02
