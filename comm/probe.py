@@ -165,10 +165,12 @@ def _local_rates(nbytes: int = 4 << 20, device: torch.device | None = None) -> l
     return rates
 
 
-def _time_calls(fns: Sequence[Callable[[], Any]], reps: int = 5, device: torch.device | None = None) -> list[float]:
-    """Median seconds of each of ``fns``, timed between barriers and alternating (rep k runs every fn once,
-    the order rotating), so that drift of a shared machine falls on all of them alike; one untimed warm-up
-    round."""
+def _time_calls(fns: Sequence[Callable[[], Any]], reps: int = 5, device: torch.device | None = None, *,
+                batch: int = 1) -> list[float]:
+    """Median seconds per call of each of ``fns``: ``batch`` calls back to back after a barrier (as a job
+    issues them; a lone call after a barrier also times how far apart the ranks leave it), alternating
+    between the fns (rep k runs each once, the order rotating) so that drift of a shared machine falls on
+    all of them alike; one untimed warm-up round."""
     import torch.distributed as dist
 
     device = device if device is not None else torch.device("cpu")
@@ -179,12 +181,16 @@ def _time_calls(fns: Sequence[Callable[[], Any]], reps: int = 5, device: torch.d
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
-            fns[i]()
+            for _ in range(batch):
+                fns[i]()
             _sync(device)
             if rep:
-                times[i].append(time.perf_counter() - t0)
+                times[i].append((time.perf_counter() - t0) / batch)
     return [statistics.median(t) for t in times]
 
+
+SMALL_BATCH = 5
+"""8-byte calls are timed five back to back per sample."""
 
 CALIBRATION_BYTES = 16 << 20
 """Size of the mid-size call of each algorithm that calibrates its efficiency (four 4 MiB pipeline chunks)."""
@@ -194,48 +200,63 @@ _OTHER_OPS = ("all_gather", "reduce_scatter", "broadcast")
 """Ops whose per-call overheads are measured besides all-reduce's (their formulas count other alpha terms)."""
 
 
-def _op_calls(op: str, nbytes: int, world: int, topology, groups, device: torch.device):
-    """(flat, hier) callables of one ``op`` call of ``nbytes`` in the cost model's convention (all_gather:
-    one rank's block; reduce_scatter: the whole input; broadcast: the tensor), from rank 0."""
-    import torch.distributed as dist
-
-    from memrt.comm import algorithms as alg
+def _op_call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], Any]:
+    """One memrt.comm call of ``op`` of ``nbytes`` in the cost model's convention (all_gather: one rank's
+    block; reduce_scatter: the whole input; broadcast: the tensor, from rank 0)."""
+    from memrt.comm import api
 
     numel = max(1, nbytes // 4)
+    if op == "all_reduce":
+        x = torch.ones(numel, device=device)
+        return lambda: api.all_reduce(x)
     if op == "all_gather":
         inp, out = torch.ones(numel, device=device), torch.empty(numel * world, device=device)
-        return (lambda: dist.all_gather_into_tensor(out, inp),
-                lambda: alg.hierarchical_all_gather(out, inp, topology, groups=groups))
+        return lambda: api.all_gather_into_tensor(out, inp)
     if op == "reduce_scatter":
         block = max(1, numel // world)
         inp, out = torch.ones(block * world, device=device), torch.empty(block, device=device)
-        return (lambda: dist.reduce_scatter_tensor(out, inp),
-                lambda: alg.hierarchical_reduce_scatter(out, inp, "SUM", topology, groups=groups))
+        return lambda: api.reduce_scatter_tensor(out, inp)
     x = torch.ones(numel, device=device)
-    return (lambda: dist.broadcast(x, src=0),
-            lambda: alg.hierarchical_broadcast(x, 0, topology, groups=groups))
+    return lambda: api.broadcast(x, src=0)
 
 
-def _call_times(topology, groups, device: torch.device | None = None) -> list[float]:
-    """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat (torch) and hierarchical (memrt)
-    all-reduce, then of an 8-byte and a MID_CALL_BYTES call of each of ``_OTHER_OPS`` flat and
-    hierarchical (medians; all-reduce's 1 MiB call and the other ops' 8-byte calls are repeated most, their
-    timings being the noisiest). all_gather and reduce_scatter have a hierarchical path on equal nodes
-    only: elsewhere they are not timed."""
-    import torch.distributed as dist
-
-    from memrt.comm.algorithms import hierarchical_all_reduce
+def _call_times(topology, device: torch.device | None = None) -> list[float]:
+    """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat and hierarchical all-reduce, then
+    of an 8-byte and a MID_CALL_BYTES call of each of ``_OTHER_OPS`` flat and hierarchical (medians, flat
+    and hier alternating; 8-byte calls ``SMALL_BATCH`` back to back per sample). Each call goes through memrt.comm's own function under
+    :func:`memrt.comm.api.comm_mode`, so what is timed is what the choice picks between (the hand-over to
+    the comm thread, the records); the calls are left out of the comm log and the profiler. all_gather and reduce_scatter
+    have a hierarchical path on equal nodes only: elsewhere they are not timed."""
+    from memrt.comm import events
+    from memrt.comm.api import comm_mode
+    from memrt.profiling.recorder import get_recorder
 
     device = device if device is not None else torch.device("cpu")
-    out = []
-    for numel, reps in ((2, 5), (MID_CALL_BYTES // 4, 9), (CALIBRATION_BYTES // 4, 5)):
-        x = torch.ones(numel, device=device)
-        out += _time_calls([lambda: dist.all_reduce(x),
-                            lambda: hierarchical_all_reduce(x, "SUM", topology, groups=groups)], reps, device)
     world = sum(len(n) for n in topology.nodes)
-    for op in _timed_ops(topology.nodes):
-        for nbytes, reps in ((8 * world if op == "reduce_scatter" else 8, 15), (MID_CALL_BYTES, 9)):
-            out += _time_calls(_op_calls(op, nbytes, world, topology, groups, device), reps, device)
+
+    def timed(op: str, nbytes: int, reps: int) -> list[float]:
+        call = _op_call(op, nbytes, world, device)
+        batch = SMALL_BATCH if nbytes < MID_CALL_BYTES else 1
+
+        def under(mode: str) -> Callable[[], Any]:
+            def run() -> None:
+                with comm_mode(mode), events.quiet():  # memrt's own calls: no profiler events either
+                    call()
+            return run
+
+        return _time_calls([under("flat"), under("hier")], reps, device, batch=batch)
+
+    log = get_recorder().comm
+    seen = len(log)
+    out = []
+    try:
+        for nbytes, reps in ((8, 7), (MID_CALL_BYTES, 9), (CALIBRATION_BYTES, 5)):
+            out += timed("all_reduce", nbytes, reps)
+        for op in _timed_ops(topology.nodes):
+            for nbytes, reps in ((8 * world if op == "reduce_scatter" else 8, 7), (MID_CALL_BYTES, 9)):
+                out += timed(op, nbytes, reps)
+    finally:
+        del log[seen:]
     return out
 
 
@@ -288,7 +309,7 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     results.extend(_local_rates(device=device))
     with_overheads = topology is not None and groups is not None and group is None
     if with_overheads:
-        results.extend(_call_times(topology, groups, device))
+        results.extend(_call_times(topology, device))
     # wall-clock stamp and elapsed time ride along, so every rank ends with the very same model
     vec = torch.tensor(results + [time.time(), time.perf_counter() - t_start], dtype=torch.float64, device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
