@@ -29,6 +29,21 @@ def _e2e(rank, world):
     out["cache_hit"] = (not probed) and model2 == topo.links  # same model on every rank, loaded not probed
     out["t_probe"] = time.perf_counter() - t0
     rec = get_recorder()
+    out["probe_records"] = len(rec.comm)  # the probe's calibration calls are memrt's, not the job's
+
+    # comm_mode forces one algorithm for the calls inside it (what the probe and the sweep time with)
+    b = torch.full((64,), float(rank))
+    for mode in ("hier", "flat"):
+        with dist.comm_mode(mode):
+            dist.broadcast(b, src=0)
+    out["forced"] = [r.algorithm for r in rec.comm[-2:]]
+    out["broadcast_equal"] = torch.equal(b, torch.zeros(64))
+    try:
+        with dist.comm_mode("fastest"):
+            pass
+        out["bad_mode"] = None
+    except ValueError as exc:
+        out["bad_mode"] = str(exc)
 
     # fusion: integer-valued floats, so any summation order gives the same bits as separate calls
     ts = [torch.full((k + 1, 3), float(rank + k)) for k in range(40)]
@@ -119,6 +134,8 @@ def test_fusion_compression_ddp_ef_probe_cache_on_two_fake_nodes(tmp_path):
     assert list(tmp_path.glob("comm-links-*.json")), "probe result not cached"
     for r in res:
         assert r["links_probed"] and r["cache_hit"]
+        assert r["probe_records"] == 0 and r["forced"] == ["hier", "flat"] and r["broadcast_equal"]
+        assert "MEMRT_COMM" in r["bad_mode"] and "fastest" in r["bad_mode"]
         ops = [f"{op}:{a}" for op in ("all_gather", "broadcast", "reduce_scatter") for a in ("flat", "hier")]
         assert r["overhead_keys"] == r["mid_keys"] == sorted(ops + ["flat", "hier"])  # every op's own call overhead
         assert r["coalesced_equal"] and r["coalesced_calls"] == 1  # 40 tensors, one collective
