@@ -43,7 +43,7 @@ __all__ = [
 
 MMAP_THRESHOLD_BYTES = 65536
 """glibc serves allocations above this size with mmap, so a freed tensor leaves the RSS at once and the
-process's peak RSS tracks its peak live tensor bytes (the outside measure of issue 3)."""
+process's peak RSS tracks its peak live tensor bytes (the outside measure of the memory budget)."""
 
 
 def machine_info() -> dict[str, Any]:

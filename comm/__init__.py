@@ -16,8 +16,8 @@ from memrt.comm.api import (MemrtWork, all_gather, all_gather_into_tensor, all_g
                             all_reduce, broadcast, comm_mode, destroy_process_group, get_topology, init_process_group, prepare,
                             reduce_scatter_single, reduce_scatter_tensor, set_checks, setup_topology)
 from memrt.comm.ddp_hook import DDPHookState, ddp_comm_hook, register_ddp_hook
-from memrt.comm.explain import explain  # issue 6: per (op, size) table of choices and timings
-from memrt.comm.fusion import all_reduce_coalesced  # issue 6: fusion of many small tensors
+from memrt.comm.explain import explain  # per (op, size) table of choices and timings
+from memrt.comm.fusion import all_reduce_coalesced  # fusion of many small tensors
 from memrt.comm.health import CollectiveMismatchError, PeerFailureError
 from memrt.comm.topology import Topology
 

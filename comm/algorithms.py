@@ -13,7 +13,7 @@ this ordered local reduction; the inter-node step is torch's all-reduce of the s
 nodes ``a (op) b`` is order-free). AVG is a SUM divided once by the world size at the end
 (integer AVG is rejected like torch's gloo does).
 
-Integration seam (issue 6): ``inter_all_reduce(shard, group)`` replaces the inter-node hop; ``group``
+Integration seam: ``inter_all_reduce(shard, group)`` replaces the inter-node hop; ``group``
 is the tier's handle (a torch ProcessGroup, or an MPI communicator). It may reduce ``shard`` in place
 and return None, return the reduced tensor, or return an object with ``wait()`` (a Work) to overlap.
 A blocking function is run on one helper thread, in call order, so the pipeline still overlaps.

@@ -175,7 +175,7 @@ def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool, d
     if _st.executor is None:
         _st.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memrt-comm")
     if topo.hierarchical_useful and _st.config.comm != "off" and not mpi_job:
-        from memrt.comm.probe import attach_links  # issue 6: measured links (cached per topology)
+        from memrt.comm.probe import attach_links  # measured links (cached per topology)
 
         topo = _st.topology = attach_links(topo, groups=_st.groups)
     return topo
@@ -406,7 +406,7 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
         return None
     codec = algorithm.split("+", 1)[1]
     try:
-        from memrt.comm.compress import compressed_all_reduce  # issue 6: compressed inter-node hop
+        from memrt.comm.compress import compressed_all_reduce  # compressed inter-node hop
     except ImportError:
         if "compress" not in _st.warned:
             _st.warned.add("compress")
@@ -536,7 +536,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = tdist.ReduceOp.SUM, group: Any = 
 
         check_compress(compress, "compress")
     elif _mine(group):
-        from memrt.comm import fusion  # issue 6: back-to-back small async calls are coalesced
+        from memrt.comm import fusion  # back-to-back small async calls are coalesced
 
         fused = fusion.intercept(tensor, op, async_op)
         if fused is not None:

@@ -159,7 +159,7 @@ class Topology:
         rows = [("node", "ranks", "local size", "device kinds", "host")]
         for i, n in enumerate(self.nodes):
             kinds = ",".join(sorted({self.device_kinds[r] for r in n})) if self.device_kinds else "?"
-            if "," in kinds:  # mixed kinds on one node (issue 10): say which rank has which
+            if "," in kinds:  # mixed kinds on one node: say which rank has which
                 kinds = ",".join(f"{r}:{self.device_kinds[r]}" for r in n)
             host = self.hosts[n[0]].split("|")[0] if self.hosts else "-"
             mark = " *" if i == self.node_index else ""
@@ -196,7 +196,7 @@ class Topology:
         links = d.get("links")
         if isinstance(links, dict) and links:
             try:
-                from memrt.comm.costmodel import LinkModel  # issue 6; optional
+                from memrt.comm.costmodel import LinkModel  # optional
 
                 links = LinkModel.from_json(json.dumps(links))
             except Exception:  # noqa: BLE001 - keep the raw figures when the cost model cannot read them
@@ -209,7 +209,7 @@ class Topology:
 
 def _device_kind(rank: int) -> str:
     try:
-        from memrt.comm.mixed import local_device_kind  # issue 10: honours MEMRT_FORCE_DEVICE_KIND
+        from memrt.comm.mixed import local_device_kind  # honours MEMRT_FORCE_DEVICE_KIND
 
         return local_device_kind(rank=rank)
     except ImportError:

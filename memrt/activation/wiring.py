@@ -50,7 +50,7 @@ def _missing(exc: ImportError, prefix: str) -> bool:
 
 def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: str | None = None) -> None:
     try:
-        import memrt.memory  # noqa: F401 - the planner's package (issue 3)
+        import memrt.memory  # noqa: F401 - the planner's package
         from memrt import auto, disable
     except ImportError as exc:
         if not _missing(exc, "memrt.memory"):

@@ -221,7 +221,7 @@ class ApplyContext:
                 from memrt.memory.offload import OffloadEngine
             except ImportError as exc:
                 raise RuntimeError("this plan offloads but memrt.memory.offload is not available") from exc
-            from memrt.memory.offload import plan_bytes  # plan-sized: free-space check / pinned pool (issue 4)
+            from memrt.memory.offload import plan_bytes  # plan-sized: free-space check / pinned pool
 
             self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self._model(),
                                                required_bytes=plan_bytes(getattr(self, "plan", None), tier))
@@ -304,7 +304,7 @@ class ApplyHandle:
 
         self.plan = plan
         self.context = ApplyContext(model, model_device(model), offload_dir)
-        self.context.plan = plan  # offload engines size themselves from it (issue 4)
+        self.context.plan = plan  # offload engines size themselves from it
         self._handlers: dict[str, ActionHandler] = {}
         self._calls: dict[str, int] = {}
         self._index = 0
@@ -316,7 +316,7 @@ class ApplyHandle:
 
     def set_plan(self, plan: Any) -> None:
         self.plan = plan
-        self.context.plan = plan  # offload engines size themselves from it (issue 4)
+        self.context.plan = plan  # offload engines size themselves from it
         from memrt.memory.compiled import compiled_action
 
         actions: dict[str, str] = {}

@@ -331,7 +331,7 @@ def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: O
     offload_fn = None
     if offload not in (None, "none"):
         try:
-            from memrt.memory.offload import offload_options  # written by the offload work item
+            from memrt.memory.offload import offload_options
         except ImportError:
             logger.info("memrt.memory.offload not available: planning keep/recompute only")
         else:
