@@ -161,3 +161,41 @@ def test_resident_peak_is_none_when_the_mark_does_not_rise():
     r = ResidentPeak(live_bytes=0)
     r.end()
     assert r.peak is None
+
+
+_COMPILED_METER = textwrap.dedent("""
+    import json, resource, time
+    import numpy as np
+    from memrt.memory.compiled import CompiledCpuMeter
+    status = lambda k: [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(k + ":")][0]
+    big = np.ones(200 * 2**20 // 8)  # an earlier, higher moment of the process
+    del big
+    hwm0, maxrss0 = status("VmHWM"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {}
+    for name, mib in (("below_mark", 60), ("above_mark", 260)):
+        meter = CompiledCpuMeter()
+        meter.start()
+        buf = np.ones(mib * 2**20 // 8)  # the step's own peak, held 50 ms
+        time.sleep(0.05)
+        del buf
+        meter.pause()
+        out[name] = meter.peak
+        if name == "below_mark":
+            out["hwm_kept"] = status("VmHWM") >= hwm0
+    out["maxrss_not_lowered"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >= maxrss0
+    print(json.dumps(out))
+""")
+
+
+def test_compiled_cpu_meter_reads_the_step_peak_without_resetting_the_mark():
+    """The meter of compiled CPU steps: exact when the step raises the high-water mark, sampled when an earlier
+    moment was higher; never resets the mark (a reset drops ``VmHWM`` to the current RSS)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    env = {k: v for k, v in env.items() if not k.startswith("MEMRT")}
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_METER], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["hwm_kept"] and got["maxrss_not_lowered"], got
+    assert 55 * MiB <= got["below_mark"] <= 70 * MiB, got  # sampled: the 60 MiB held for 50 ms
+    assert 255 * MiB <= got["above_mark"] <= 270 * MiB, got  # the mark rose: exact

@@ -109,24 +109,53 @@ def _status_bytes(field: str) -> int:
     return value
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # Linux >= 4.0: VmHWM := current RSS
-        f.write("5")
-
-
 def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(sum(counters["stats"].values()))
 
 
+class _RssSampler:
+    """The highest resident set size seen by polling ``/proc/self/statm`` every ``interval_s`` on a thread."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        import os
+        import threading
+
+        self.interval_s = interval_s
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.highest = self.read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memrt-rss-sampler", daemon=True)
+        self._thread.start()
+
+    def read(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.highest = max(self.highest, self.read())
+
+    def stop(self) -> int:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.highest = max(self.highest, self.read())
+        return self.highest
+
+
 class CompiledCpuMeter:
     """The peak of a compiled CPU step, without a dispatch mode (which would make dynamo run the step eagerly).
 
     ``peak`` = bytes of the tensors known at the start (parameters, inputs, optimizer state) + the growth
-    of the process's resident memory over the step (``VmHWM`` after a ``clear_refs`` reset, minus the
-    RSS then). Meaningful with glibc returning large blocks to the OS (``MALLOC_MMAP_THRESHOLD_=65536``,
-    as memrt's CPU budget is defined); frozen at :meth:`pause` (the optimizer step is not the step's).
+    of the process's resident memory over the step. The growth is exact when the kernel's high-water mark
+    (``VmHWM``) rose during the step (the step's peak is then the new mark); otherwise an earlier moment of
+    the process was higher, and the step's own peak is the highest resident size a thread sampled every
+    millisecond (a peak shorter than that can be missed). The mark is never reset: that would change what
+    ``ru_maxrss`` and ``VmHWM`` tell the user. Meaningful with glibc returning large blocks to the OS
+    (``MALLOC_MMAP_THRESHOLD_=65536``, as memrt's CPU budget is defined); frozen at :meth:`pause` (the
+    optimizer step is not the step's).
     """
 
     exact_ghosts = False
@@ -134,6 +163,8 @@ class CompiledCpuMeter:
     def __init__(self) -> None:
         self._known = 0
         self._rss0 = 0
+        self._hwm0 = 0
+        self._sampler: _RssSampler | None = None
         self._frozen: int | None = None
         self._graphs = 0
 
@@ -147,16 +178,30 @@ class CompiledCpuMeter:
 
         self._graphs = _graphs_compiled()
         self._known = sum(_storage_ids([t for t in extra if isinstance(t, torch.Tensor)]).values())
-        _reset_peak()
         self._rss0 = _status_bytes("VmRSS")
+        self._hwm0 = _status_bytes("VmHWM")
+        self._sampler = _RssSampler()
         self._frozen = None
 
+    @property
+    def mark_rose(self) -> bool:
+        """Whether the high-water mark rose since :meth:`start` (then the peak is exact)."""
+        return _status_bytes("VmHWM") > self._hwm0
+
     def _now(self) -> int:
-        return self._known + max(0, _status_bytes("VmHWM") - self._rss0)
+        hwm = _status_bytes("VmHWM")
+        if hwm > self._hwm0:
+            top = hwm
+        else:
+            top = self._sampler.highest if self._sampler is not None else _status_bytes("VmRSS")
+        return self._known + max(0, top - self._rss0)
 
     def pause(self) -> None:
         if self._frozen is None:
+            if self._sampler is not None:
+                self._sampler.stop()
             self._frozen = self._now()
+            self._sampler = None
 
     def stop(self) -> None:
         self.pause()
