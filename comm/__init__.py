@@ -12,8 +12,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from memrt.comm.api import (MemrtWork, all_gather, all_gather_into_tensor, all_gather_single,
-                            all_reduce, broadcast, comm_mode, destroy_process_group, get_topology, init_process_group, prepare,
+from memrt.comm.api import (MemrtWork, all_gather, all_gather_into_tensor, all_gather_single, all_reduce, broadcast,
+                            comm_mode, destroy_process_group, get_topology, init_process_group, prepare,
                             reduce_scatter_single, reduce_scatter_tensor, set_checks, setup_topology)
 from memrt.comm.ddp_hook import DDPHookState, ddp_comm_hook, register_ddp_hook
 from memrt.comm.explain import explain  # per (op, size) table of choices and timings

@@ -82,8 +82,8 @@ class LinkModel:
     alpha terms, seconds (threads, staging, Python; negative when the alphas overstate it), so that the
     latency part of a prediction is the measured small-call time."""
     mid_overhead_s: dict[str, float] = field(default_factory=dict)
-    """Per algorithm (and op, as ``call_overhead_s``): the same for a 1 MiB call (``MID_CALL_BYTES``), after its
-    efficiency-scaled bandwidth terms. A call of ``n`` bytes pays ``call_overhead_s`` plus ``n / 1 MiB``
+    """Per algorithm (and op, as ``call_overhead_s``): the same for a 1 MiB call (``MID_CALL_BYTES``),
+    after its efficiency-scaled bandwidth terms. A call of ``n`` bytes pays ``call_overhead_s`` plus ``n / 1 MiB``
     of the difference, all of it from 1 MiB up (on crowded cores a ring step that moves data waits for
     its peer to be scheduled, which an 8-byte call does not show). Empty: the 8-byte figure throughout."""
     efficiency: dict[str, float] = field(default_factory=dict)

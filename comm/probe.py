@@ -223,10 +223,11 @@ def _op_call(op: str, nbytes: int, world: int, device: torch.device) -> Callable
 def _call_times(topology, device: torch.device | None = None) -> list[float]:
     """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat and hierarchical all-reduce, then
     of an 8-byte and a MID_CALL_BYTES call of each of ``_OTHER_OPS`` flat and hierarchical (medians, flat
-    and hier alternating; 8-byte calls ``SMALL_BATCH`` back to back per sample). Each call goes through memrt.comm's own function under
-    :func:`memrt.comm.api.comm_mode`, so what is timed is what the choice picks between (the hand-over to
-    the comm thread, the records); the calls are left out of the comm log and the profiler. all_gather and reduce_scatter
-    have a hierarchical path on equal nodes only: elsewhere they are not timed."""
+    and hier alternating; 8-byte calls ``SMALL_BATCH`` back to back per sample). Each call goes through
+    memrt.comm's own function under :func:`memrt.comm.api.comm_mode`, so what is timed is what the choice
+    picks between (the hand-over to the comm thread, the records); the calls are left out of the comm log
+    and the profiler. all_gather and reduce_scatter have a hierarchical path on equal nodes only: elsewhere
+    they are not timed."""
     from memrt.comm import events
     from memrt.comm.api import comm_mode
     from memrt.profiling.recorder import get_recorder
