@@ -77,6 +77,20 @@ def _iters(size: int, quick: bool) -> tuple[int, int]:
     return (1, 3) if size >= 16 * 2**20 else (2, 10) if size >= 2**20 else (5, 30)
 
 
+def _torch_call(dist, op: str, size: int, n: int):
+    """(elements of the full buffer, one call of ``op`` on ``n`` ranks through ``dist``: torch.distributed or
+    memrt.comm) for a buffer of about ``size`` bytes, float32, divisible by ``n``."""
+    import torch
+
+    numel = max(n, size // 4 // n * n)
+    big, small = torch.ones(numel), torch.ones(numel // n)
+    call = {"all_reduce": lambda: dist.all_reduce(big),
+            "all_gather": lambda: dist.all_gather_into_tensor(big, small),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big),
+            "broadcast": lambda: dist.broadcast(big, src=0)}[op]
+    return numel, call
+
+
 def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> None:
     import torch
     import torch.distributed as tdist
@@ -95,13 +109,7 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
     for op in ops:
         for size in sizes:
             seen = len(log)
-            numel = max(n, size // 4 // n * n)
-            big = torch.ones(numel)
-            small = torch.ones(numel // n)
-            call = {"all_reduce": lambda: dist.all_reduce(big),
-                    "all_gather": lambda: dist.all_gather_into_tensor(big, small),
-                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big),
-                    "broadcast": lambda: dist.broadcast(big, src=0)}[op]
+            numel, call = _torch_call(dist, op, size, n)
             warm, iters = _iters(size, quick)
             for _ in range(warm):
                 call()
@@ -148,12 +156,7 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
     rows = []
     for op in ops:
         for size in sizes:
-            numel = max(n, size // 4 // n * n)
-            big, small = torch.ones(numel), torch.ones(numel // n)
-            call = {"all_reduce": lambda: dist.all_reduce(big),
-                    "all_gather": lambda: dist.all_gather_into_tensor(big, small),
-                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big),
-                    "broadcast": lambda: dist.broadcast(big, src=0)}[op]
+            numel, call = _torch_call(dist, op, size, n)
             rounds, calls = _check_rounds(size, quick)
             times: dict[str, list[float]] = {m: [] for m in CHECK_MODES}
             chosen: set[str] = set()
