@@ -154,6 +154,7 @@ def main() -> None:
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

@@ -125,6 +125,10 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
     if rank == 0:
         print("RESULT " + json.dumps({"impl": impl, "world": n, "rows": rows}), flush=True)
     dist.destroy_process_group()
+    if impl == "gloo":  # memrt.comm's destroy does this itself
+        from memrt.comm.api import let_backend_threads_finish
+
+        let_backend_threads_finish()
 
 
 CHECK_MODES = ("flat", "hier", "auto")

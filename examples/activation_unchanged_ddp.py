@@ -23,6 +23,7 @@ are compared across ranks right after init_process_group; ranks that differ stop
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,7 @@ def main() -> None:
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,7 @@ def main() -> None:
     if rank == 0 and args.out:
         torch.save(state, args.out)
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

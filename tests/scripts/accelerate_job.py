@@ -69,6 +69,7 @@ def main():
     if rank == 0:
         torch.save([p.detach().clone() for p in accelerator.unwrap_model(model).parameters()], f"{args.out}.params.pt")
     accelerator.end_training() if hasattr(accelerator, "end_training") else None
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,7 @@ def main() -> None:
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, args.out)
     dist.barrier()
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

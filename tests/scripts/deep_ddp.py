@@ -7,6 +7,7 @@ also offloads the blocks' inputs fits: memrt's offload fault tests use it to mak
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def main():
         json.dump({"rank": rank, "sizes": sizes, "rows": rows}, f)
     if rank == 0:
         torch.save([p.detach().clone() for p in model.parameters()], f"{args.out}.params.pt")
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
+import time
 
 import numpy as np
 import torch
@@ -85,6 +86,7 @@ def main() -> None:
         torch.save({"digests": everyone, "params": {k: v.clone() for k, v in model.state_dict().items()}}, args.out)
     dist.barrier()
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":

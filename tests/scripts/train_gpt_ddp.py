@@ -182,6 +182,7 @@ def main() -> None:
             "hook": args.hook, "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None,
             "losses_finite": all(math.isfinite(v) for v in losses) if not args.comm_only else None}), flush=True)
     dist.destroy_process_group()
+    time.sleep(0.05)  # gloo's threads free finished work under the GIL: before exit, where torch aborts them
 
 
 if __name__ == "__main__":
