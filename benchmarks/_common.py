@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from memrt.config import environ
+from memrt.sizes import format_bytes
+from memrt.launcher import free_port
 
 __all__ = [
     "MMAP_THRESHOLD_BYTES",
     "PeakRss",
     "base_parser",
     "ensure_mmap_threshold",
-    "fmt_bytes",
+    "format_bytes",
     "fmt_ratio",
     "machine_info",
     "machine_line",
@@ -153,16 +155,6 @@ def median_seconds(fn: Callable[[], Any], repeats: int, *, warmup: int = 1) -> t
     return statistics.median(samples), samples
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def fmt_ratio(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.2f}x"
 
@@ -256,14 +248,6 @@ def save_plot(out_dir: str | os.PathLike, name: str, draw: Callable[[Any], None]
 
 
 # ---------------------------------------------------------------- launching ranks ----
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_ranks(argv: Sequence[str], *, nodes: Sequence[Sequence[int]], cluster: Any = None,
                  env: dict[str, str] | None = None, timeout_s: float = 600.0,
                  rank_env: Callable[[int], dict[str, str]] | None = None) -> list[tuple[int, str, str]]:

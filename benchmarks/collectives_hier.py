@@ -26,7 +26,7 @@ def worker(sizes: list[int], iters: int) -> None:
     import torch.distributed as tdist
 
     import memrt.comm as dist
-    from memrt.comm.algorithms import hierarchical_all_reduce
+    from memrt.comm.hierarchical import hierarchical_all_reduce
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -36,7 +36,7 @@ def _worker(rank: int, url: str, out: str, reps: int, cache: str) -> None:
     import torch
 
     import memrt.comm as dist
-    from memrt.comm.bench import measure
+    from memrt.bench import measure
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=url, rank=rank, world_size=4, timeout=timedelta(seconds=300))
@@ -48,7 +48,7 @@ def _worker(rank: int, url: str, out: str, reps: int, cache: str) -> None:
 
 def _loopback_worker(rank: int, world: int, reps: int) -> dict[str, Any]:
     from memrt.comm import api
-    from memrt.comm.bench import measure
+    from memrt.bench import measure
 
     api.setup_topology(health=False)
     return measure(sizes=SIZES, reps=reps, sweep=SWEEP, fusion=True)

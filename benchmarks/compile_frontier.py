@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import benchmarks.memory_frontier as mf
-from benchmarks._common import (base_parser, ensure_mmap_threshold, exit_code, fail_line, failures, fmt_bytes, fmt_ratio,
+from benchmarks._common import (base_parser, ensure_mmap_threshold, exit_code, fail_line, failures, format_bytes, fmt_ratio,
                                 machine_info, machine_line, print_table, write_json)
 
 __all__ = ["main", "compiled_arms"]
@@ -61,7 +61,7 @@ def compiled_arms(w: mf.Workload, *, memrt_budgets: list[int], compile_budgets: 
     while todo:
         b = todo.pop(0)
         tried.add(b)
-        name = f"memrt+compile@{fmt_bytes(b)}"
+        name = f"memrt+compile@{format_bytes(b)}"
         try:
             torch._dynamo.reset()
             arm = mf._new_arm(w, name, lambda m: m)
@@ -72,14 +72,14 @@ def compiled_arms(w: mf.Workload, *, memrt_budgets: list[int], compile_budgets: 
             if plan is not None:
                 kinds = sorted({u.action for u in plan.units})
                 arm.note = f"{sum(u.action != 'keep' for u in plan.units)} of {len(plan.units)} recomputed " \
-                           f"({', '.join(kinds)}); certified {fmt_bytes(plan.measured_peak_bytes)}; " + arm.note
+                           f"({', '.join(kinds)}); certified {format_bytes(plan.measured_peak_bytes)}; " + arm.note
             arms.append(arm)
         except memrt.BudgetError as exc:  # the compiled step measured over: memrt names the budget that fits
             least = exc.min_feasible_bytes
             if least is None or least <= b:
                 notes.append(fail_line(name, f"BudgetError: {str(exc)[:300]}"))
             else:
-                print(f"note {name}: infeasible compiled, smallest feasible {fmt_bytes(least)}; measuring that",
+                print(f"note {name}: infeasible compiled, smallest feasible {format_bytes(least)}; measuring that",
                       flush=True)
                 notes.append({"arm": name, "infeasible": str(exc)[:300]})
                 if least not in tried and least not in todo:
@@ -132,7 +132,7 @@ def run_workload(key: str, w: mf.Workload, args: Any) -> dict[str, Any]:
                      "memrt": a.name.startswith("memrt")})
     mf._dominance(rows)
     print_table(["arm", "peak", "peak/compiled", "step ms", "time/compiled", "covered by / covers", "note"],
-                [[r["arm"], fmt_bytes(r["peak_bytes"]), f"{r['peak_vs_compiled']:.2f}", f"{r['step_s'] * 1e3:.0f}",
+                [[r["arm"], format_bytes(r["peak_bytes"]), f"{r['peak_vs_compiled']:.2f}", f"{r['step_s'] * 1e3:.0f}",
                   fmt_ratio(r["time_vs_compiled"]), r["dominance"], r["note"]] for r in rows],
                 title=f"{key}: {w.name} compiled (baseline: compiled, same run)")
     return {"workload": w.name, "rows": rows, "skipped": notes, "memrt_dominates": mf._verdict(rows),

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from memrt.testing.zoo import padded_batch
-from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_bytes, fmt_ratio, machine_info,
+from benchmarks._common import (base_parser, exit_code, fail_line, failures, format_bytes, fmt_ratio, machine_info,
                                 machine_line, print_table, write_json)
 
 __all__ = ["main"]
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     _job(copy.deepcopy(base), [context] * 2, batch, cfg.vocab_size, setup=lambda m: case.checkpoint(m, 1),
          peaks=ckpt_peaks)
     budget = (max(stock_peaks) + max(ckpt_peaks)) // 2
-    print(f"peaks at length {context}: none {fmt_bytes(max(stock_peaks))}, checkpoint every layer "
-          f"{fmt_bytes(max(ckpt_peaks))}; budget {fmt_bytes(budget)}", flush=True)
+    print(f"peaks at length {context}: none {format_bytes(max(stock_peaks))}, checkpoint every layer "
+          f"{format_bytes(max(ckpt_peaks))}; budget {format_bytes(budget)}", flush=True)
 
     result: dict[str, Any] = {"size": size, "steps": steps, "batch": batch, "lengths": lengths, "buckets": buckets,
                               "budget_bytes": budget}
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(max_peak_bytes=max(peaks), steps_over_budget=over, bitwise=bitwise,
                       profiled=profiled, cache_entries=len(cache))
         print(f"check: peak <= budget at every step: {'PASS' if not over else 'FAIL'} (highest "
-              f"{fmt_bytes(max(peaks))} of {fmt_bytes(budget)}); gradients bitwise stock at every step: "
+              f"{format_bytes(max(peaks))} of {format_bytes(budget)}); gradients bitwise stock at every step: "
               f"{'PASS' if bitwise else 'FAIL'}; profiling steps {len(profiled)} for {len(buckets)} buckets "
               f"(at most once per bucket: {'PASS' if once else 'FAIL'}); plans cached {len(cache)}", flush=True)
         for what, ok in (("peak over budget", not over), ("gradients differ from stock", bitwise),

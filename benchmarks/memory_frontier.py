@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from benchmarks._common import (PeakRss, base_parser, ensure_mmap_threshold, exit_code, fail_line, failures, fmt_bytes,
+from benchmarks._common import (PeakRss, base_parser, ensure_mmap_threshold, exit_code, fail_line, failures, format_bytes,
                                 fmt_ratio, machine_info, machine_line, print_table, save_plot, skip_line, write_json)
 from memrt.testing.models import ConvNet, GPT, GPTConfig, gpt_batch, lm_loss
 
@@ -249,7 +249,7 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
     while todo:
         b = todo.pop(0)
         tried.add(b)
-        arm = _new_arm(w, f"memrt@{fmt_bytes(b)}", lambda m: m)
+        arm = _new_arm(w, f"memrt@{format_bytes(b)}", lambda m: m)
         auto(arm.model, budget=int(b))
         arm.forward = arm.model
         try:
@@ -261,7 +261,7 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
                 notes.append(fail_line(arm.name, f"BudgetError: {str(exc)[:300]}"))
                 continue
             # below the smallest feasible budget: memrt says so, as documented; measure that budget instead
-            print(f"note {arm.name}: infeasible, smallest feasible {fmt_bytes(least)}; measuring that", flush=True)
+            print(f"note {arm.name}: infeasible, smallest feasible {format_bytes(least)}; measuring that", flush=True)
             notes.append({"arm": arm.name, "infeasible": str(exc)[:300]})
             if least not in tried and least not in todo:
                 todo.append(int(least))
@@ -275,7 +275,7 @@ def _memrt_arms(w: Workload, budgets: list[int]) -> tuple[list[Arm], list[dict]]
 
             acts = Counter(u.action for u in plan.units if u.action != "keep")
             arm.note = (", ".join(f"{n} {a}" for a, n in sorted(acts.items())) or "all kept") + \
-                f" of {len(plan.units)}; memrt's own peak {fmt_bytes(plan.measured_peak_bytes)}"
+                f" of {len(plan.units)}; memrt's own peak {format_bytes(plan.measured_peak_bytes)}"
         arms.append(arm)
     return arms, notes
 
@@ -375,7 +375,7 @@ def run_workload(key: str, w: Workload, args) -> dict[str, Any]:
                      "memrt": a.name.startswith("memrt")})
     _dominance(rows)
     print_table(["arm", "peak", "peak/none", "step ms", "time/none", "covered by / covers", "note"],
-                [[r["arm"], fmt_bytes(r["peak_bytes"]), f"{r['peak_vs_none']:.2f}", f"{r['step_s'] * 1e3:.0f}",
+                [[r["arm"], format_bytes(r["peak_bytes"]), f"{r['peak_vs_none']:.2f}", f"{r['step_s'] * 1e3:.0f}",
                   fmt_ratio(r["time_vs_none"]), r["dominance"], r["note"]] for r in rows],
                 title=f"{key}: {w.name} (baseline: none, same run)")
     eager = [r for r in rows if not r["arm"].startswith("compile_budget")]

@@ -42,7 +42,7 @@ from dataclasses import asdict
 
 from benchmarks._common import base_parser, fmt_ratio, machine_info, machine_line, print_table, write_json
 from memrt.balance import max_samples_for_budget
-from memrt.balance.experiment import Spec, make_model, side_by_side
+from memrt.testing.balance import Spec, make_model, side_by_side
 from memrt.cluster.cpucap import can_cap
 from memrt.testing import run_processes
 
@@ -131,7 +131,7 @@ def _gpu_check_rank(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from memrt.balance import BalanceConfig, SpeedBalancer
-    from memrt.balance.experiment import make_dataset, make_model
+    from memrt.testing.balance import make_dataset, make_model
     from memrt.comm.mixed import MixedComm, choose_backend
 
     device = torch.device("cuda", 0) if rank == 0 else torch.device("cpu")
@@ -164,7 +164,7 @@ def gpu_check() -> int:
     import numpy as np
     import torch
 
-    from memrt.balance.experiment import reference_params
+    from memrt.testing.balance import reference_params
 
     if not torch.cuda.is_available():
         print("SKIP gpu-check: no CUDA device")

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_bytes, fmt_ratio, machine_info,
+from benchmarks._common import (base_parser, exit_code, fail_line, failures, format_bytes, fmt_ratio, machine_info,
                                 machine_line, print_table, write_json)
 from memrt.config import environ
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         results[model] = data
         refs = {a["arm"]: a for a in data["arms"] if a["arm"] in REFS}
         print(f"  {refs['none']['description']}; outside peaks: " + ", ".join(
-            f"{r} {fmt_bytes(refs[r]['outside_peak_bytes'])}" for r in REFS if r in refs), flush=True)
+            f"{r} {format_bytes(refs[r]['outside_peak_bytes'])}" for r in REFS if r in refs), flush=True)
         for row in _rows(data):
             rows.append(row)
             label = f"memrt@{row['fraction']} of {model}"
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 fail_line(label, row["error"])
             elif not row["bitwise"]:
                 fail_line(label, "state_dict after the steps differs from stock")
-    table = [[r["model"], f"{r['fraction']:.2f}", fmt_bytes(r["budget_bytes"]),
-              fmt_bytes(r.get("outside_peak_bytes")), fmt_ratio(r.get("peak_over_budget")),
+    table = [[r["model"], f"{r['fraction']:.2f}", format_bytes(r["budget_bytes"]),
+              format_bytes(r.get("outside_peak_bytes")), fmt_ratio(r.get("peak_over_budget")),
               "yes" if r.get("bitwise") else "NO", _plan_text(r.get("plan")),
               r.get("fastest_fitting") or "-", fmt_ratio(r.get("time_ratio"))] for r in rows]
     print_table(["model", "fraction", "budget", "outside peak", "peak/budget", "bitwise", "memrt plan",

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks._common import base_parser, fmt_bytes, fmt_ratio, machine_info, machine_line, print_table, write_json
+from benchmarks._common import base_parser, format_bytes, fmt_ratio, machine_info, machine_line, print_table, write_json
 from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
 
 SHARE = 0.75
@@ -129,7 +129,7 @@ def _build(kind: str, cfg: GPTConfig, device: torch.device, x, y, tier: str, bud
         arm.plan = plan
         acts = sorted({u.action for u in plan.units})
         arm.note = (f"(plan: {', '.join(f'{a} x{sum(u.action == a for u in plan.units)}' for a in acts)}; "
-                    f"predicted {fmt_bytes(plan.predicted_peak_bytes)})")
+                    f"predicted {format_bytes(plan.predicted_peak_bytes)})")
         arm.closer = lambda: memrt.disable(m)
         return arm
     if kind == "lower":
@@ -263,18 +263,18 @@ def main(argv: list[str] | None = None) -> int:
             arm.step()
         peaks[kind] = measure_peak(arm, [], device) - leftover
         if leftover:
-            print(f"# {kind}: {fmt_bytes(leftover)} of tensors left alive by earlier arms subtracted", flush=True)
+            print(f"# {kind}: {format_bytes(leftover)} of tensors left alive by earlier arms subtracted", flush=True)
         notes[kind], names[kind] = arm.note, arm.name
         if kind == "plan":
             plan = arm.plan
             print(plan, flush=True)
         if kind == "auto":
             pl = memrt.plan_of(arm.model)
-            notes[kind] = f"(memrt measured {fmt_bytes(pl.measured_peak_bytes) if pl else '-'})"
-        print(f"{arm.name}: peak {fmt_bytes(peaks[kind])} {notes[kind]}", flush=True)
+            notes[kind] = f"(memrt measured {format_bytes(pl.measured_peak_bytes) if pl else '-'})"
+        print(f"{arm.name}: peak {format_bytes(peaks[kind])} {notes[kind]}", flush=True)
         if kind == "every_block":
             budget = int(SHARE * peaks[kind])
-            print(f"budget = {SHARE:.0%} of every_block = {fmt_bytes(budget)}", flush=True)
+            print(f"budget = {SHARE:.0%} of every_block = {format_bytes(budget)}", flush=True)
         if arm.closer is not None:
             arm.closer()
         del arm
@@ -307,28 +307,28 @@ def main(argv: list[str] | None = None) -> int:
         arm = next((a for a in arms if a.kind == kind), None)
         t = statistics.median(arm.times) if arm is not None else None
         fits = peaks[kind] <= budget
-        rows.append([names[kind], fmt_bytes(peaks[kind]), f"{peaks[kind] / ck_peak:.2f}", "yes" if fits else "no",
+        rows.append([names[kind], format_bytes(peaks[kind]), f"{peaks[kind] / ck_peak:.2f}", "yes" if fits else "no",
                      "-" if t is None else f"{t:.3f}", "-" if t is None else fmt_ratio(t / t_ck)])
         results.append({"arm": names[kind], "peak_bytes": peaks[kind], "peak_vs_every_block": peaks[kind] / ck_peak,
                         "fits_budget": fits, "step_seconds_median": t, "step_seconds": arm.times if arm else [],
                         "time_vs_every_block": None if t is None else t / t_ck, "note": notes[kind]})
-    print_table(["arm", "peak", "peak / every_block", f"<= budget ({fmt_bytes(budget)})", "step s (median)",
+    print_table(["arm", "peak", "peak / every_block", f"<= budget ({format_bytes(budget)})", "step s (median)",
                  "time / every_block"], rows, title=f"GPT on {device}: offload to {tier} vs checkpoint every block")
     engines = []
     for arm in arms:
         for e in _engines(arm):
             s = e.stats()
             engines.append({"arm": arm.name, **{k: getattr(s, k) for k in s.__slots__}})
-            print(f"{arm.name}: engine {s.tier}: moved {fmt_bytes(s.bytes_offloaded)}, restored "
-                  f"{fmt_bytes(s.bytes_restored)}, write {s.write_seconds:.3f} s, read {s.read_seconds:.3f} s, "
-                  f"waited {s.wait_seconds:.3f} s, disk peak {fmt_bytes(s.disk_peak_bytes)}, host peak "
-                  f"{fmt_bytes(s.host_peak_bytes)}, pinned allocations {s.pinned_allocations}", flush=True)
+            print(f"{arm.name}: engine {s.tier}: moved {format_bytes(s.bytes_offloaded)}, restored "
+                  f"{format_bytes(s.bytes_restored)}, write {s.write_seconds:.3f} s, read {s.read_seconds:.3f} s, "
+                  f"waited {s.wait_seconds:.3f} s, disk peak {format_bytes(s.disk_peak_bytes)}, host peak "
+                  f"{format_bytes(s.host_peak_bytes)}, pinned allocations {s.pinned_allocations}", flush=True)
     best = min((r for r in results if r["arm"] != "every_block" and r["fits_budget"] and r["step_seconds_median"]),
                key=lambda r: r["step_seconds_median"], default=None)
     if best is None:
         print(f"RESULT: no memrt arm trained under {SHARE:.0%} of every_block", flush=True)
     else:
-        print(f"RESULT: {best['arm']} trains at {fmt_bytes(best['peak_bytes'])} = "
+        print(f"RESULT: {best['arm']} trains at {format_bytes(best['peak_bytes'])} = "
               f"{1 - best['peak_vs_every_block']:.1%} below every_block's peak, step time "
               f"{best['time_vs_every_block']:.2f}x every_block (goal <= 1.3x)", flush=True)
     overlap = cuda_overlap(cfg, batch, rounds) if device.type == "cuda" and tier == "host" else None

@@ -33,7 +33,7 @@ _HERE = Path(__file__).parent
 
 
 def __getattr__(name: str) -> Any:
-    """Submodules of memrt.comm first, then torch.distributed's names (pass-through)."""
+    """Submodules of memrt.comm first, then torch.distributed's names and subpackages (pass-through)."""
     if (_HERE / f"{name}.py").exists():
         return importlib.import_module(f"{__name__}.{name}")
     import torch.distributed
@@ -41,6 +41,12 @@ def __getattr__(name: str) -> Any:
     try:
         return getattr(torch.distributed, name)
     except AttributeError:
+        pass
+    try:  # a subpackage torch.distributed does not import itself (fsdp, checkpoint, ...)
+        return importlib.import_module(f"torch.distributed.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"torch.distributed.{name}":  # the subpackage exists and failed to import: say so
+            raise
         raise AttributeError(f"module 'memrt.comm' has no attribute {name!r} (nor has torch.distributed)") from None
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as tdist
 
 from memrt.agreement import check_or_exit as check_settings_agree
-from memrt.comm import algorithms as alg
+from memrt.comm import hierarchical as alg
 from memrt.comm import events
 from memrt.comm import streams
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
@@ -89,9 +89,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             elif launch.launcher == "slurm":
                 init_method = _slurm_init_method(env)
             else:
-                from memrt.launcher import _free_port
+                from memrt.launcher import free_port
 
-                init_method, world_size, rank = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}", 1, 0
+                init_method, world_size, rank = f"tcp://127.0.0.1:{free_port()}", 1, 0
     tdist.init_process_group(backend="gloo" if mpi_job else backend, init_method=init_method, timeout=timeout,
                              world_size=world_size, rank=rank, store=store, group_name=group_name,
                              pg_options=pg_options, device_id=device_id)
@@ -213,6 +213,20 @@ def destroy_process_group(group: Any = None) -> None:
         clear_group_cache()
         _st.__init__()
     tdist.destroy_process_group(group)
+    if group is None:
+        let_backend_threads_finish()
+
+
+def let_backend_threads_finish(seconds: float = 0.05) -> None:
+    """Hold no GIL for ``seconds``, so that the backend's worker threads free the tensors of finished
+    collectives now.
+
+    gloo frees a finished collective on its worker thread, which takes the GIL to release the tensors'
+    Python objects. A worker still waiting for the GIL when the interpreter shuts down is ended by
+    CPython, and torch (2.13) aborts the process on it ("terminate called without an active exception"),
+    after the job's own work is done. A job calls this last, before it exits.
+    """
+    time.sleep(seconds)
 
 
 def get_topology() -> Topology:

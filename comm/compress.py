@@ -230,7 +230,7 @@ twice what they do for bf16: twice the chunk halves them (measured on the emulat
 
 def pipeline_chunk_bytes(codec: str, nbytes: int) -> int:
     """Chunk size for a compressed hierarchical all-reduce of ``nbytes`` (at least 8 chunks when it can)."""
-    from memrt.comm.algorithms import auto_chunk_bytes
+    from memrt.comm.hierarchical import auto_chunk_bytes
 
     _check(codec)
     return auto_chunk_bytes(nbytes, PIPELINE_CHUNK_BYTES[codec])

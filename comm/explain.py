@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from memrt.profiling.comm_log import busbw_factor  # the one busbw rule (nccl-tests doc/PERFORMANCE.md)
+from memrt.sizes import format_bytes
 
 __all__ = ["ExplainRow", "explain", "explain_rows", "busbw_factor", "size_bucket"]
 
@@ -82,14 +83,6 @@ def explain_rows(records: Iterable[Any]) -> list[ExplainRow]:
     return rows
 
 
-def _fmt_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def explain(records: Iterable[Any] | None = None, *, as_dict: bool = False) -> str | list[dict[str, Any]]:
     """A table of this process's collectives (default: the process recorder), or its rows as dicts."""
     if records is None:
@@ -104,11 +97,11 @@ def explain(records: Iterable[Any] | None = None, *, as_dict: bool = False) -> s
     lines = [head]
     for r in rows:
         ratio = r.predicted_over_measured
-        lines.append((r.op, _fmt_size(r.size_bucket_bytes), r.algorithm, str(r.calls),
-                      _fmt_size(r.tier_bytes.get("intra", 0)), _fmt_size(r.tier_bytes.get("inter", 0)),
+        lines.append((r.op, format_bytes(r.size_bucket_bytes), r.algorithm, str(r.calls),
+                      format_bytes(r.tier_bytes.get("intra", 0)), format_bytes(r.tier_bytes.get("inter", 0)),
                       "-" if r.predicted_seconds is None else f"{r.predicted_seconds * 1e3:.3g} ms",
                       f"{r.measured_seconds * 1e3:.3g} ms", "-" if ratio is None else f"{ratio:.2f}",
-                      f"{_fmt_size(r.algbw_bytes_per_s)}/s", f"{_fmt_size(r.busbw_bytes_per_s)}/s"))
+                      f"{format_bytes(r.algbw_bytes_per_s)}/s", f"{format_bytes(r.busbw_bytes_per_s)}/s"))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

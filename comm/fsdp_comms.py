@@ -1,6 +1,6 @@
 """FSDP2's all-gather and reduce-scatter through memrt.comm, without memrt's process group.
 
-``memrt.comm.fsdp.use_memrt_comms(model)`` hands every ``fully_shard`` module of ``model`` memrt's
+``memrt.comm.fsdp_comms.use_memrt_comms(model)`` hands every ``fully_shard`` module of ``model`` memrt's
 :class:`MemrtAllGather` and :class:`MemrtReduceScatter` through FSDP2's public
 ``set_custom_all_gather`` / ``set_custom_reduce_scatter``. Use it when the job keeps torch's own
 backend (``MEMRT_COMM=off`` for the activation, an NCCL group split from a bound device): FSDP2's

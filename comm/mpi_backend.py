@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from memrt.comm import algorithms as alg
+from memrt.comm import hierarchical as alg
 from memrt.comm.tiers import HierGroups, TorchTier, build_groups, combine_, op_name
 from memrt.comm.topology import Topology
 

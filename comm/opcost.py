@@ -22,7 +22,7 @@ __all__ = ["flat_all_gather", "hierarchical_all_gather", "flat_reduce_scatter", 
 
 PIPELINE_CHUNK_BYTES = 4 * 1024 * 1024
 """Chunk of memrt's pipelined hierarchical broadcast, all-gather and reduce-scatter (per rank's block for the
-last two; algorithms.DEFAULT_CHUNK_BYTES)."""
+last two; hierarchical.DEFAULT_CHUNK_BYTES)."""
 
 Nodes = tuple[tuple[int, ...], ...]
 

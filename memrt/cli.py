@@ -22,7 +22,7 @@ COMMANDS = {
     "run": ("memrt.activation.run", "run a command with memrt switched on (no .pth needed)"),
     "demo": ("memrt.demo", "short GPT-style training, stock vs memrt, side by side"),
     "report": ("memrt.profiling.report", "merge per-rank files of a run into text, JSON and plots"),
-    "bench": ("memrt.comm.bench", "probe links and benchmark collectives (memrt bench comm)"),
+    "bench": ("memrt.bench", "probe links and benchmark collectives (memrt bench comm)"),
 }
 
 

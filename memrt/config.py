@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from memrt.errors import ConfigError
+from memrt.sizes import format_bytes
 
 __all__ = [
     "AGREED_VARIABLES",
@@ -30,7 +31,6 @@ __all__ = [
     "VARIABLES",
     "budget_capacity_error",
     "environ",
-    "format_bytes",
     "load_config",
     "parse_bool",
     "parse_budget",
@@ -80,16 +80,6 @@ BALANCE_CHOICES = ("auto", "on", "off")
 def environ() -> dict[str, str]:
     """A copy of the process environment: the only read of ``os.environ`` in memrt."""
     return dict(os.environ)
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size, e.g. ``1.50 GiB``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def parse_bool(name: str, raw: str) -> bool:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import socket
 import shutil
 import subprocess
 import sys
@@ -29,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memrt.config import environ, format_bytes
+from memrt.config import environ
+from memrt.sizes import format_bytes
+from memrt.launcher import free_port
 
 __all__ = ["add_arguments", "run", "worker_main"]
 
@@ -138,6 +138,9 @@ def worker_main(args: argparse.Namespace) -> int:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    from memrt.comm.api import let_backend_threads_finish
+
+    let_backend_threads_finish()  # the stock run too: torch's own destroy leaves gloo's threads running
     return 0
 
 
@@ -175,12 +178,6 @@ def _calibrate(cfg: Any, batch: int, rank: int, world: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ parent side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _argv(args: argparse.Namespace, out: Path, extra: tuple[str, ...]) -> list[str]:
     return [sys.executable, "-m", "memrt.demo", "--worker", "--out", str(out), "--steps", str(args.steps),
             "--batch", str(args.batch), *extra]
@@ -204,7 +201,7 @@ def _launch(args: argparse.Namespace, out: Path, env_base: dict[str, str], clust
             (out.parent / f"{out.name}-rank{res.rank}.log").write_text(res.stdout + res.stderr)
         failed = [(res.rank, f"exit code {res.returncode}") for res in results if res.returncode != 0]
     else:
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(world):
             env = dict(env_base)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from memrt.sizes import format_bytes
+
 __all__ = ["AgreementError", "ConfigError", "BudgetError", "MemrtError", "note_degraded", "degraded"]
 
 
@@ -34,8 +36,6 @@ class BudgetError(MemrtError):
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "", *,
                  keep_all_bytes: int | None = None) -> None:
-        from memrt.config import format_bytes
-
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
         self.keep_all_bytes = None if keep_all_bytes is None else int(keep_all_bytes)

@@ -7,7 +7,8 @@ import json
 import platform
 
 from memrt._version import __version__
-from memrt.config import AGREED_VARIABLES, format_bytes, load_config
+from memrt.config import AGREED_VARIABLES, load_config
+from memrt.sizes import format_bytes
 from memrt.launcher import discover_launch
 
 __all__ = ["collect_info", "add_arguments", "run"]

@@ -18,7 +18,7 @@ from typing import Mapping
 from memrt.config import environ
 from memrt.errors import ConfigError
 
-__all__ = ["LaunchInfo", "discover_launch", "mpi_rendezvous", "import_mpi4py", "pid_alive"]
+__all__ = ["LaunchInfo", "discover_launch", "free_port", "mpi_rendezvous", "import_mpi4py", "pid_alive"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +145,8 @@ def _routable_address() -> str:
     return addr
 
 
-def _free_port(addr: str) -> int:
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on ``addr`` now (the kernel's pick): the project's one rule for rendezvous ports."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr if addr != "0.0.0.0" else "", 0))
         return s.getsockname()[1]
@@ -161,7 +162,7 @@ def mpi_rendezvous(addr: str | None = None) -> str:
     url = None
     if comm.Get_rank() == 0:
         host = addr or _routable_address()
-        url = f"tcp://{host}:{_free_port(host)}"
+        url = f"tcp://{host}:{free_port(host)}"
     return comm.bcast(url, root=0)
 
 

@@ -127,7 +127,7 @@ def build_report(ranks: list[dict[str, Any]], problems: list[RankFileProblem], *
 
 
 def _plan_table(plan: dict[str, Any]) -> str:
-    from memrt.config import format_bytes as fb
+    from memrt.sizes import format_bytes as fb
 
     out = [f"{'unit':<24} {'action':<22} {'kept':>11} {'freed':>11} {'moved':>11} {'added(ms)':>9}"]
     def size(u: dict[str, Any], k: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
+from memrt.sizes import format_bytes
 from memrt.profiling.recorder import MemoryEvent
 
 __all__ = ["ACTION_KINDS", "MemoryPoint", "MemoryTimeline", "PeakAttribution", "StepMemory",
@@ -168,12 +169,6 @@ def analyze_memory(events: Iterable[MemoryEvent | Mapping[str, Any]], *,
     return MemoryTimeline(points=points, steps=[steps[k] for k in sorted(steps)], peak=peak)
 
 
-def _fmt(n: float) -> str:
-    from memrt.config import format_bytes
-
-    return format_bytes(n)
-
-
 def format_memory_table(per_rank: Mapping[int, MemoryTimeline], *,
                         budget_bytes: int | Mapping[int, int | None] | None = None,
                         devices: Mapping[int, str] | None = None) -> str:
@@ -194,8 +189,8 @@ def format_memory_table(per_rank: Mapping[int, MemoryTimeline], *,
             continue
         budget = budgets.get(rank)
         use = f"{p.live_bytes / budget:>10.1%}" if budget else f"{'-':>10}"
-        shown = _fmt(budget) if budget else "-"
-        rows.append(f"{rank:>4} {len(tl.steps):>5} {_fmt(p.live_bytes):>11} {_fmt(p.fixed_bytes):>11} "
-                    f"{_fmt(p.activation_bytes):>11} {shown:>11} {use}  {device:<14} "
+        shown = format_bytes(budget) if budget else "-"
+        rows.append(f"{rank:>4} {len(tl.steps):>5} {format_bytes(p.live_bytes):>11} {format_bytes(p.fixed_bytes):>11} "
+                    f"{format_bytes(p.activation_bytes):>11} {shown:>11} {use}  {device:<14} "
                     f"step {p.step}, {p.unit}, {p.phase or '?'}")
     return "\n".join(rows)

@@ -17,7 +17,7 @@ import torch.distributed as tdist  # noqa: E402
 
 import memrt.comm as dist  # noqa: E402
 from _comm_cases import DTYPES, MIB64, OPS, compare, make_input, reference  # noqa: E402
-from memrt.comm import algorithms  # noqa: E402
+from memrt.comm import hierarchical  # noqa: E402
 from memrt.comm.mpi_backend import MPIBackend, mixed_groups  # noqa: E402
 from memrt.comm.topology import Topology  # noqa: E402
 
@@ -55,7 +55,7 @@ for numel, dtype, op in cases:
         uneven.all_reduce(c, op, algorithm="flat")
         check(f"{tag} mpi flat", c, reference(inputs, ((0, 1, 2, 3),), op), theirs, dtype)
         d = x.clone()
-        algorithms.hierarchical_all_reduce(d, op, topo, groups=mixed, chunk_bytes=256 * 1024)
+        hierarchical.hierarchical_all_reduce(d, op, topo, groups=mixed, chunk_bytes=256 * 1024)
         check(f"{tag} mpi intra + gloo inter", d, reference(inputs, topo.nodes, op), theirs, dtype)
 
 from memrt.profiling.recorder import get_recorder  # noqa: E402

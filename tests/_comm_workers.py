@@ -48,7 +48,7 @@ def other_collectives(rank: int, world: int) -> list[str]:
     # the hierarchical all-gather's pipeline: several chunks, the last one short (direct call, small chunks),
     # and a block of more than one default chunk through the public call
     if topo.is_uniform:
-        from memrt.comm import algorithms as alg
+        from memrt.comm import hierarchical as alg
         from memrt.comm.api import _st
 
         for numel, chunk_bytes in ((30011, 4000), (3, 4), (0, 64)):

@@ -150,7 +150,7 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
     fully_shard(model, mesh=mesh)
     if custom_comms:  # FSDP2's set_custom_all_gather / set_custom_reduce_scatter with memrt.comm
         import memrt.comm as mc
-        from memrt.comm.fsdp import use_memrt_comms
+        from memrt.comm.fsdp_comms import use_memrt_comms
 
         mc.setup_topology()
         use_memrt_comms(model)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from memrt.launcher import free_port
 from memrt.testing import venv_bin
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
@@ -80,7 +80,7 @@ def reference(tmp_path_factory) -> dict:
     # Without memrt an MPI launch has no torchrun variables: give them per rank, as torchrun would.
     argv = ([mpiexec, "-n", "1", "-env", "RANK", "0", *args, ":", "-n", "1", "-env", "RANK", "1", *args]
             if mpiexec else _torchrun("--out", "params.pt"))
-    extra = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if mpiexec else {}
+    extra = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} if mpiexec else {}
     out = _run(argv, _env(**extra), cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "memrt" not in out.stdout + out.stderr.replace(str(SCRIPT), "")
@@ -203,17 +203,11 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_memrt_failing_inside_the_hook_lets_the_job_finish(reference, tmp_path):
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(_INJECT)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):  # torchrun's environment, without its agent
         env = _env(MEMRT="1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",

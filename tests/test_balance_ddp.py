@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 import numpy as np
 import pytest
 
-from memrt.balance.experiment import Spec, epochs_run, reference_params, side_by_side
+from memrt.testing.balance import Spec, epochs_run, reference_params, side_by_side
 from memrt.testing import run_processes
 
 RTOL, ATOL = 1e-5, 1e-6

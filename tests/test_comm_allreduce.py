@@ -25,7 +25,7 @@ def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other
     import torch.distributed as tdist
 
     import memrt.comm as dist
-    from memrt.comm import algorithms
+    from memrt.comm import hierarchical
     from memrt.comm.topology import Topology
 
     dist.setup_topology()
@@ -61,7 +61,7 @@ def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other
                  failures)
         # direct call, the other topology, small chunks so the pipeline runs over many chunks
         mine = x.clone()
-        algorithms.hierarchical_all_reduce(mine, op, other, chunk_bytes=chunk_bytes)
+        hierarchical.hierarchical_all_reduce(mine, op, other, chunk_bytes=chunk_bytes)
         compare(f"{numel} {dtname} {op} nodes={other.nodes}", mine, reference(inputs, other.nodes, op), theirs,
                  dtype, failures)
     # hierarchical broadcast on the (uneven) public topology, from every node position

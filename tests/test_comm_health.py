@@ -11,7 +11,6 @@ naming the rank and the operation, the time to a clear exit, and that nothing is
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from _faults import REPO, clean_env, record_time
 from memrt.comm.health import HealthMonitor
+from memrt.launcher import free_port
 
 HERE = Path(__file__).parent
 DEEP = REPO / "tests" / "scripts" / "deep_ddp.py"
@@ -31,12 +31,6 @@ HANG_S = HealthMonitor.__init__.__kwdefaults__["hang_s"]
 STOP_BOUND_S = HANG_S + 20.0
 """A frozen peer: the watchdog reports it after ``hang_s`` in a collective; the rest is slack for a loaded
 2-core machine (the wait this replaces had no end: gloo's own timeout is 30 min)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _STARTED: list[subprocess.Popen] = []
@@ -55,7 +49,7 @@ def _reap_ranks():
 
 
 def _start(tmp: Path, world: int, argv: list[str], *, per_node: int, **extra: str) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     for r in range(world):
         env = clean_env(tmp, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_node),

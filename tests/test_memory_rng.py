@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import random
-import socket
 import subprocess
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 
 import memrt
 from memrt.memory.cache import PlanCache
+from memrt.launcher import free_port
 from memrt.testing import venv_bin
 from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
 from memrt.testing.rng import changed_generators, rng_states
@@ -152,12 +152,6 @@ def _keep_all_bytes(base) -> int:
 
 # -- a whole MEMRT=1 run of an unchanged script ------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _calibrate() -> int:
     """A budget halfway between memrt's smallest feasible and keep-everything, for the script's DDP model."""
     import importlib.util
@@ -193,7 +187,7 @@ def _torchrun(tmp_path: Path, name: str, **env_extra: str) -> dict:
     env.update(OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / f"cache-{name}"), **env_extra)
     out = tmp_path / f"{name}.pt"
     argv = [venv_bin("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), str(SCRIPT), "--steps", "4", "--out", str(out)]
+            "--master-port", str(free_port()), str(SCRIPT), "--steps", "4", "--out", str(out)]
     proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)

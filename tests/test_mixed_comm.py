@@ -44,7 +44,7 @@ def _mixed_worker(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from memrt.balance import SpeedBalancer, BalanceConfig
-    from memrt.balance.experiment import Spec, make_dataset, make_model
+    from memrt.testing.balance import Spec, make_dataset, make_model
 
     out = {}
     mc = MixedComm()
@@ -82,7 +82,7 @@ def _mixed_worker(rank, world):
 
 @pytest.mark.slow
 def test_forced_mixed_kinds_stage_and_match_torch_distributed():
-    from memrt.balance.experiment import Spec, reference_params
+    from memrt.testing.balance import Spec, reference_params
 
     res = run_processes(_mixed_worker, 2, env={"MEMRT_FORCE_DEVICE_KIND": "0=cuda,1=cpu"}, timeout=240)
     r0, r1 = res

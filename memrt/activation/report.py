@@ -19,7 +19,8 @@ from typing import Any
 from memrt.activation import session as _session
 from memrt.activation.banner import format_banner
 from memrt.activation.session import Session
-from memrt.config import MemrtConfig, format_bytes
+from memrt.config import MemrtConfig
+from memrt.sizes import format_bytes
 
 __all__ = ["begin", "at_exit", "rank_summary", "format_summary"]
 
@@ -171,10 +172,6 @@ def _failures(sess: Session) -> list[str]:
     return list(sess.failures) + degraded()
 
 
-def _fmt(n: Any) -> str:
-    return "-" if n is None else format_bytes(n)
-
-
 def format_summary(sess: Session, summaries: list[dict[str, Any]], missing: list[int]) -> str:
     lines = [f"memrt summary | run {sess.run_id} | {len(summaries)}/{sess.world_size} ranks reported "
              f"| files in {sess.report_dir}",
@@ -183,9 +180,9 @@ def format_summary(sess: Session, summaries: list[dict[str, Any]], missing: list
     for s in sorted(summaries, key=lambda x: x["rank"]):
         plan = ", ".join(f"{n} {a}" for a, n in sorted(s["actions"].items())) or "-"
         tiers = ", ".join(f"{t} {format_bytes(b)}" for t, b in sorted(s["tier_bytes"].items())) or "-"
-        budget = _fmt(s["budget_bytes"]) if s["budget_bytes"] is not None else (s["budget"] or "none")
-        lines.append(f"memrt: {s['rank']:>4} {budget:>11} {_fmt(s['measured_peak_bytes']):>11} "
-                     f"{_fmt(s['predicted_peak_bytes']):>11}  {plan:<26} {s['comm_calls']:>5} {tiers:<28} "
+        budget = format_bytes(s["budget_bytes"]) if s["budget_bytes"] is not None else (s["budget"] or "none")
+        lines.append(f"memrt: {s['rank']:>4} {budget:>11} {format_bytes(s['measured_peak_bytes']):>11} "
+                     f"{format_bytes(s['predicted_peak_bytes']):>11}  {plan:<26} {s['comm_calls']:>5} {tiers:<28} "
                      f"{'yes' if s['comm_hooks'] else 'no':>4} {s['failures']}")
     if missing:
         lines.append(f"memrt: no summary from rank(s) {missing} within {SUMMARY_WAIT_S:.0f}s (see their files)")
@@ -252,7 +249,8 @@ def at_exit() -> None:
 
 
 def _stop_comm_threads() -> None:
-    """Stop memrt.comm's heartbeat thread and executor when the job exits without destroying its group."""
+    """Stop memrt.comm's heartbeat thread and executor, and let the backend's threads finish, when the job
+    exits without destroying its group."""
     comm_api = sys.modules.get("memrt.comm.api")
     state = getattr(comm_api, "_st", None)
     try:
@@ -260,5 +258,7 @@ def _stop_comm_threads() -> None:
             state.health.stop()
         if getattr(state, "executor", None) is not None:
             state.executor.shutdown(wait=True)
+        if comm_api is not None:
+            comm_api.let_backend_threads_finish()
     except Exception:  # noqa: BLE001 - best effort at exit
         logger.debug("stopping memrt.comm threads failed", exc_info=True)

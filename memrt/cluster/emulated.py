@@ -15,6 +15,8 @@ import sys
 import uuid
 from typing import Mapping, Sequence
 
+from memrt.config import environ
+
 __all__ = ["EmulatedCluster", "can_emulate", "parse_rate"]
 
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g)?bit\s*$", re.IGNORECASE)
@@ -103,7 +105,7 @@ class EmulatedCluster:
 
     def popen(self, node: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
         """Start ``argv`` inside namespace ``node``; GLOO_SOCKET_IFNAME is set to that node's link."""
-        full_env = dict(os.environ)
+        full_env = environ()
         full_env.update(env or {})
         full_env.setdefault("GLOO_SOCKET_IFNAME", self.ifaces[node])
         argv = [sys.executable if a == "python" else a for a in argv]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from memrt.memory.apply import register_action
 from memrt.memory.auto import disable, plan_of
-from memrt.memory.planner import Plan, UnitOption, UnitPlan, min_feasible_budget, plan
+from memrt.memory.options import UnitOption
+from memrt.memory.planner import Plan, UnitPlan, min_feasible_budget, plan
 from memrt.memory.profile import Profile, UnitProfile
 from memrt.memory.units import find_units
 

@@ -1,8 +1,8 @@
 """Apply a plan: route every unit call through the handler of its action.
 
-Instrumentation swaps ``forward`` on the unit instances only (module types, parameters, buffers and
-``state_dict`` keys are untouched) and adds one forward pre-hook on the model that numbers the unit
-calls of each training step. :func:`memrt.disable` (or ``handle.remove()``) restores everything.
+The units are instrumented (:class:`memrt.memory.instrument.Instrumentation`: ``forward`` swapped on the
+unit instances only, one pre-hook on the model numbering each step's unit calls); :func:`memrt.disable`
+(or ``handle.remove()``) restores everything.
 
 Action handlers live in a small registry (:func:`register_action`): ``keep``, ``recompute`` and the
 offload actions (``offload_<tier>``, ``recompute+offload_<tier>``), which use
@@ -12,13 +12,13 @@ offload actions (``offload_<tier>``, ``recompute+offload_<tier>``), which use
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
+from memrt.memory.instrument import Instrumentation, UnitCall
 from memrt.memory.recompute import run_recomputed
 from memrt.memory.units import expect_module, find_units
 
@@ -26,181 +26,10 @@ __all__ = ["ActionHandler", "ApplyHandle", "Instrumentation", "apply", "register
 
 logger = logging.getLogger(__name__)
 
-UnitCall = Callable[[str, nn.Module, Callable[..., Any], tuple, dict], Any]
-
-
-class Instrumentation:
-    """Routes every call of each unit to ``unit_call(name, module, forward, args, kwargs)``.
-
-    ``on_step(args, kwargs)`` runs at every training forward of the model (grad enabled), before it;
-    ``on_other()`` before every other forward of the model (grad disabled, inference mode);
-    ``on_output(output)`` after every training forward, with its output.
-    """
-
-    def __init__(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, unit_call: UnitCall,
-                 on_step: Callable[[tuple, dict], None] | None = None,
-                 on_other: Callable[[], None] | None = None,
-                 on_output: Callable[[Any], None] | None = None) -> None:
-        self._model = weakref.ref(model)  # weak: registries keyed by the model hold this object
-        self.units = list(units)
-        self.unit_call = unit_call
-        self.on_step = on_step
-        self.on_other = on_other
-        self.on_output = on_output
-        self.compiled_actions: dict[str, str] = {}
-        """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
-        self.compiled_step = False
-        """Whether the step that began last is being compiled by dynamo."""
-        if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
-            _pre_outside_graph()
-        self._saved: list[tuple[nn.Module, bool, Any]] = []
-        self._removed = False
-        for name, module in self.units:
-            had = "forward" in module.__dict__
-            self._saved.append((module, had, module.__dict__.get("forward")))
-            original = module.forward
-            module.forward = self._make_forward(name, module, original)
-        self._hook = (model.register_forward_pre_hook(_StepHook(self), with_kwargs=True)
-                      if on_step or on_other else None)
-        self._out_hook = model.register_forward_hook(_OutputHook(self)) if on_output else None
-
-    def _make_forward(self, name: str, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-        return _UnitForward(self, name, module, original)
-
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled():
-            if self.on_step is not None:
-                self.on_step(args, kwargs)
-        elif self.on_other is not None:
-            self.on_other()
-
-    def _post(self, output: Any) -> None:
-        if torch.is_grad_enabled() and self.on_output is not None:
-            self.on_output(output)
-
-    def remove(self) -> None:
-        if self._removed:
-            return
-        self._removed = True
-        if self._hook is not None:
-            self._hook.remove()
-        if self._out_hook is not None:
-            self._out_hook.remove()
-        for module, had, previous in self._saved:
-            if had:
-                module.forward = previous
-            else:
-                module.__dict__.pop("forward", None)
-        self._saved.clear()
-
-
-def _class_forward(module: nn.Module) -> Callable[..., Any]:
-    return type(module).forward.__get__(module)
-
-
-def _no_step(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    return None
-
-
-class _UnitForward:
-    """The forward installed on a unit instance. A deep copy or pickle of the model gets the plain
-    class forward instead (copies and checkpoints carry no memrt state)."""
-
-    __slots__ = ("ref", "name", "module", "original", "__weakref__")
-
-    def __init__(self, inst: Instrumentation, name: str, module: nn.Module, original: Callable[..., Any]) -> None:
-        self.ref = weakref.ref(inst)
-        self.name, self.module, self.original = name, module, original
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inst = self.ref()
-        if inst is None or inst._removed:
-            return self.original(*args, **kwargs)
-        if torch.compiler.is_compiling():  # inside a graph dynamo traces: the plan as checkpointed regions
-            from memrt.memory.compiled import compiled_unit_call
-
-            return compiled_unit_call(inst.compiled_actions, self.name, self.original, args, kwargs)
-        return inst.unit_call(self.name, self.module, self.original, args, kwargs)
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return self.original
-
-    def __reduce__(self):
-        return (_class_forward, (self.module,))
-
-
-class _StepHook:
-    """The model's forward pre-hook; copies of the model get a no-op in its place."""
-
-    __slots__ = ("ref", "__weakref__")
-
-    def __init__(self, inst: Instrumentation) -> None:
-        self.ref = weakref.ref(inst)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        inst = self.ref()
-        if inst is not None and not inst._removed:
-            # evaluated while dynamo traces (True) or in eager (False); the step's work itself runs eagerly
-            if torch.compiler.is_compiling():
-                (_OUTSIDE_GRAPH[0] if _OUTSIDE_GRAPH else _pre_outside_graph())(inst, module, args, kwargs, True)
-            else:
-                if not _OUTSIDE_GRAPH and "torch._dynamo" in sys.modules:  # ready before dynamo traces a step
-                    _pre_outside_graph()
-                _eager_pre(inst, module, args, kwargs, False)
-
-    def __reduce__(self):
-        return (_no_step_hook, ())
-
-
-def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
-    inst.compiled_step = compiled
-    inst._pre(module, args, kwargs)
-
-
-_OUTSIDE_GRAPH: list[Callable[..., None]] = []
-
-
-def _pre_outside_graph() -> Callable[..., None]:
-    """:func:`_eager_pre` that dynamo never traces; made once ``torch._dynamo`` is imported (never imports it
-    for an eager-only job)."""
-    if not _OUTSIDE_GRAPH:
-        import torch._dynamo
-
-        _OUTSIDE_GRAPH.append(torch._dynamo.disable(_eager_pre))
-    return _OUTSIDE_GRAPH[0]
-
-
-def _no_step_hook() -> Callable[..., None]:
-    return _no_step
-
-
-class _OutputHook:
-    """The model's forward hook (training forwards' outputs); copies of the model get a no-op."""
-
-    __slots__ = ("ref", "__weakref__")
-
-    def __init__(self, inst: Instrumentation) -> None:
-        self.ref = weakref.ref(inst)
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        inst = self.ref()
-        if inst is not None and not inst._removed:
-            inst._post(output)
-
-    def __reduce__(self):
-        return (_no_output_hook, ())
-
-
-def _no_output(module: nn.Module, args: tuple, output: Any) -> None:
-    return None
-
-
-def _no_output_hook() -> Callable[..., None]:
-    return _no_output
-
 
 # -- action registry ----------------------------------------------------------------------------------
+
+
 class ActionHandler(Protocol):
     def __call__(self, index: int, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple,
                  kwargs: dict) -> Any: ...

@@ -6,7 +6,7 @@ Two cases, one mechanism: ``torch.compile(model)`` of a model :func:`memrt.auto`
 - **Step boundary**: memrt's step hook runs outside the graph (``torch._dynamo.disable``); it is told
   whether the step it starts is being compiled (``torch.compiler.is_compiling()`` is evaluated in
   the traced part of the hook).
-- **Units inside the graph** (:func:`compiled_unit_call`): ``keep`` calls the unit; ``recompute`` wraps
+- **Units inside the graph** (:func:`memrt.memory.instrument.compiled_unit_call`): ``keep`` calls the unit; ``recompute`` wraps
   it in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which dynamo turns into a
   checkpointed region (AOTAutograd recomputes it in backward). Offload actions cannot be carried
   by a compiled graph (saved-tensor hooks that move data do not trace): such a unit is recomputed
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from memrt.memory.meter import status_bytes
 
-__all__ = ["compiled_unit_call", "compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
+__all__ = ["compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
            "compiled_meter"]
 
 logger = logging.getLogger(__name__)
@@ -50,16 +50,6 @@ def compiled_action(action: str) -> str:
         logger.warning("memrt: plan action %r cannot run inside a torch.compile graph (saved-tensor hooks that "
                        "move activations do not trace); those units are recomputed instead", action)
     return "recompute"
-
-
-def compiled_unit_call(actions: dict[str, str], name: str, fn: Callable[..., Any], args: tuple,
-                       kwargs: dict) -> Any:
-    """One unit call inside a graph dynamo is tracing: ``actions[name]`` is ``keep`` or ``recompute``."""
-    if actions.get(name, "keep") == "recompute" and torch.is_grad_enabled():
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    return fn(*args, **kwargs)
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:

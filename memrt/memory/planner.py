@@ -31,32 +31,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from memrt.errors import BudgetError
+from memrt.memory.options import UnitOption
 from memrt.memory.profile import Profile, UnitProfile
 
 __all__ = ["UnitOption", "UnitPlan", "Plan", "plan", "base_options", "min_feasible_budget", "predict_peak"]
 
 logger = logging.getLogger(__name__)
 _INF = np.iinfo(np.int64).max // 4
-
-
-@dataclass(slots=True)
-class UnitOption:
-    """One way to treat a unit call, with its costs."""
-
-    action: str
-    """keep | recompute | offload_disk | offload_host | recompute+offload_<tier> | any registered action."""
-    resident_bytes: int
-    """Bytes the unit leaves on the device from its forward until its backward."""
-    added_seconds: float
-    """Time the option adds to a step (recompute: the forward again; offload: exposed transfers)."""
-    backward_transient_bytes: int
-    """Bytes above the resident ones while the unit's backward runs (recomputed / loaded tensors, temporaries)."""
-    inflight_bytes: int = 0
-    """Bytes of this unit on the device around the neighbouring unit (pending writes, early prefetch)."""
-    forward_transient_bytes: int | None = None
-    """Peak above the start of the unit's forward; None: recompute-mode transient + inflight + extra resident."""
-    moved_bytes: int | None = None
-    """Bytes sent off the device per step (offload); None: saved bytes less resident ones for offload actions."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -330,32 +311,24 @@ def _peak(m: _Model, pick: Sequence[int]) -> int:
 def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: OptionsFn | None) -> OptionsFn:
     offload_fn = None
     if offload not in (None, "none"):
-        try:
-            from memrt.memory.offload import offload_options
-        except ImportError:
-            logger.info("memrt.memory.offload not available: planning keep/recompute only")
-        else:
-            from memrt.memory.offload.folder import usable_tiers  # host needs CUDA, disk a usable folder
+        from memrt.memory.offload import load_bandwidths, offload_options
+        from memrt.memory.offload.folder import usable_tiers  # host needs CUDA, disk a usable folder
 
-            tiers = usable_tiers(profile, offload, profile.device)
-            if bandwidths is None and tiers:
-                try:
-                    from memrt.memory.offload import load_bandwidths
+        tiers = usable_tiers(profile, offload, profile.device)
+        if bandwidths is None and tiers:
+            try:
+                bandwidths = load_bandwidths(profile.device)
+            except Exception as exc:  # noqa: BLE001 - a failed probe only removes offload options
+                logger.warning("offload bandwidth probe failed (%s): planning keep/recompute only", exc)
+        if bandwidths is not None and tiers:
 
-                    bandwidths = load_bandwidths(profile.device)
-                except Exception as exc:  # noqa: BLE001 - a failed probe only removes offload options
-                    logger.warning("offload bandwidth probe failed (%s): planning keep/recompute only", exc)
-            if bandwidths is not None and tiers:
-
-                def offload_fn(u: UnitProfile) -> Sequence[UnitOption]:
-                    return offload_options(u, bandwidths, profile.device, tiers=tiers)
+            def offload_fn(u: UnitProfile) -> Sequence[UnitOption]:
+                return offload_options(u, bandwidths, profile.device, tiers=tiers)
 
     def fn(u: UnitProfile) -> list[UnitOption]:
         opts = base_options(u)
         if offload_fn is not None and u.has_backward:
-            opts += [UnitOption(**{k: getattr(o, k) for k in ("action", "resident_bytes", "added_seconds",
-                                                             "backward_transient_bytes", "inflight_bytes")})
-                     if not isinstance(o, UnitOption) else o for o in offload_fn(u)]
+            opts += list(offload_fn(u))
         if extra is not None:
             opts += list(extra(u))
         return opts

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from memrt.sizes import format_bytes
 from memrt.memory.meter import Meter, make_meter
 from memrt.memory.recompute import RecomputeHooks, run_recomputed
 from memrt.memory.units import expect_module, find_units, structure_key
@@ -112,10 +113,10 @@ class Profile:
         return cls(**d)
 
     def __str__(self) -> str:
-        head = f"{'#':>3} {'unit':<24} {'saved MB':>9} {'input MB':>9} {'fwd ms':>8}"
-        rows = [head] + [f"{u.index:>3} {u.name + (f'@{u.call}' if u.call else ''):<24} {u.saved_bytes / 1e6:>9.2f} "
-                         f"{u.input_bytes / 1e6:>9.2f} {u.forward_seconds * 1e3:>8.2f}" for u in self.units]
-        rows.append(f"fixed {self.end_live_bytes / 1e6:.2f} MB, profiled peak {self.peak_bytes / 1e6:.2f} MB, "
+        head = f"{'#':>3} {'unit':<24} {'saved MiB':>9} {'input MiB':>9} {'fwd ms':>8}"
+        rows = [head] + [f"{u.index:>3} {u.name + (f'@{u.call}' if u.call else ''):<24} {u.saved_bytes / 2**20:>9.2f} "
+                         f"{u.input_bytes / 2**20:>9.2f} {u.forward_seconds * 1e3:>8.2f}" for u in self.units]
+        rows.append(f"fixed {format_bytes(self.end_live_bytes)}, profiled peak {format_bytes(self.peak_bytes)}, "
                     f"step {self.step_seconds * 1e3:.1f} ms")
         return "\n".join(rows)
 
@@ -380,7 +381,7 @@ def profile(model: nn.Module, step_fn: Callable[[], Any], *, units: Sequence[str
 
     Every unit is recomputed during this step; returns the :class:`Profile` for :func:`memrt.plan`.
     """
-    from memrt.memory.apply import Instrumentation
+    from memrt.memory.instrument import Instrumentation
     from memrt.memory.meter import watch_optimizers
 
     expect_module("memrt.profile", model)

@@ -18,6 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from memrt.config import environ
+
 __all__ = ["ProcessFailure", "run_processes", "run_mpi", "venv_bin"]
 
 
@@ -138,7 +140,7 @@ def run_mpi(
     if mpiexec is None:
         raise FileNotFoundError("mpiexec not found: pip install mpich (or install a system MPI)")
     argv = [sys.executable if a == "python" else a for a in argv]
-    full_env = dict(os.environ)
+    full_env = environ()
     full_env.update(env or {})
     try:
         return subprocess.run([mpiexec, "-n", str(n), *argv], env=full_env, cwd=cwd, text=True,

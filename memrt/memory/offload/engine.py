@@ -239,7 +239,7 @@ class OffloadEngine:
         free = shutil.disk_usage(self.directory).free
         need = int(required_bytes * (1.0 + margin))
         if free < need:
-            from memrt.config import format_bytes
+            from memrt.sizes import format_bytes
 
             raise OffloadError(
                 f"offload folder {self.directory} has {format_bytes(free)} free but the plan writes up to "

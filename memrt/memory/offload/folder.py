@@ -131,7 +131,7 @@ def _reserve(folder: Path, nbytes: int) -> Path:
 
 def check_folder(parent: str | os.PathLike | None, need_bytes: int, *, margin: float = MARGIN) -> FolderCheck:
     """Check (and reserve room in) the disk tier's folder for a plan writing up to ``need_bytes`` per step."""
-    from memrt.config import format_bytes
+    from memrt.sizes import format_bytes
 
     folder = Path(parent) if parent is not None else Path(tempfile.gettempdir())
     check = FolderCheck(folder=str(folder), need_bytes=int(need_bytes))

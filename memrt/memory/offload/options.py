@@ -21,28 +21,16 @@ Cost model (per unit, per step), from measured bandwidths (:mod:`.bandwidth`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from memrt.memory.offload.bandwidth import Bandwidths
+from memrt.memory.options import UnitOption
 
 __all__ = ["OFFLOAD_ACTIONS", "offload_options", "UnitOption"]
 
 OFFLOAD_ACTIONS = ("offload_disk", "offload_host", "recompute+offload_disk", "recompute+offload_host")
-
-try:  # the planner owns UnitOption; keep this module importable without it
-    from memrt.memory.planner import UnitOption  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - only before the planner exists
-    @dataclass(kw_only=True, slots=True)
-    class UnitOption:  # type: ignore[no-redef]
-        action: str
-        resident_bytes: int
-        added_seconds: float
-        backward_transient_bytes: int
-        inflight_bytes: int
-
 
 def _get(profile: Any, names: Sequence[str], default: Any = None) -> Any:
     for n in names:
@@ -56,11 +44,6 @@ def _get(profile: Any, names: Sequence[str], default: Any = None) -> Any:
 
 def _efficiency(device: torch.device) -> float:
     return 0.9 if device.type == "cuda" else 0.5
-
-
-def _option(**kw: Any) -> UnitOption:
-    fields = getattr(UnitOption, "__dataclass_fields__", {})
-    return UnitOption(**{k: v for k, v in kw.items() if k in fields})
 
 
 def offload_options(unit_profile: Any, bandwidths: Bandwidths, device: str | torch.device, *,
@@ -121,7 +104,7 @@ def offload_options(unit_profile: Any, bandwidths: Bandwidths, device: str | tor
             fwd_t = None
             if fwd_rec is not None and fwd_keep is not None:
                 fwd_t = int(min(int(fwd_keep), int(fwd_rec) + offloadable))
-            out.append(_option(
+            out.append(UnitOption(
                 action=f"offload_{tier}", resident_bytes=saved - offloadable,
                 added_seconds=exposed(offloadable),
                 # backward: the loaded activations plus the temporaries a kept unit has
@@ -129,7 +112,7 @@ def offload_options(unit_profile: Any, bandwidths: Bandwidths, device: str | tor
                 inflight_bytes=offloadable, forward_transient_bytes=fwd_t, moved_bytes=offloadable))
         if include_recompute and inputs is not None and int(inputs) > 0:
             moved = int(inputs)
-            out.append(_option(
+            out.append(UnitOption(
                 action=f"recompute+offload_{tier}", resident_bytes=0, added_seconds=fwd + exposed(moved),
                 # backward: the input comes back, then the unit replays as with plain recompute
                 backward_transient_bytes=moved + max(bwd_replay, bwd_after, saved_not_input),

@@ -1,0 +1,101 @@
+"""The project's shape: import contracts (.importlinter), names that do not shadow torch's, one of each helper.
+
+import-linter runs over a copy of the package as it installs (``comm/`` and ``profiling/`` become
+``memrt.comm`` and ``memrt.profiling``), so the contracts see the same modules a user imports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from memrt.testing import venv_bin
+
+REPO = Path(__file__).resolve().parent.parent
+CONTRACTS = REPO / ".importlinter"
+SOURCES = ("memrt", "comm", "profiling", "benchmarks", "tests", "examples")
+
+
+def _installed_copy(root: Path) -> Path:
+    """``root/memrt``: memrt/, comm/ and profiling/ laid out as the installed package."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO / "memrt", root / "memrt", ignore=skip)
+    shutil.copytree(REPO / "comm", root / "memrt" / "comm", ignore=skip)
+    shutil.copytree(REPO / "profiling", root / "memrt" / "profiling", ignore=skip)
+    return root
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([venv_bin("lint-imports"), str(CONTRACTS), "--no-cache"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _names() -> list[str]:
+    return re.findall(r"^name = (.+)$", CONTRACTS.read_text(), re.M)
+
+
+def test_import_contracts_hold(tmp_path):
+    proc = _lint(_installed_copy(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    out = " ".join(proc.stdout.split())
+    for name in _names():
+        assert f"{name} KEPT" in out, f"contract {name!r} not reported kept:\n{proc.stdout[-3000:]}"
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("memory/units.py", "import memrt.comm.topology", "layers"),  # memory and comm are independent
+    ("profiling/recorder.py", "import memrt.memory.planner", "layers"),  # profiling is below memory
+    ("comm/costmodel.py", "import memrt.testing.models", "the library never imports"),
+    ("errors.py", "import memrt.config", "no import cycles"),  # config imports errors
+])
+def test_import_contracts_catch_a_violation(tmp_path, module, line, contract):
+    root = _installed_copy(tmp_path)
+    path = root / "memrt" / module
+    path.write_text(path.read_text() + f"\n{line}  # injected by the test\n")
+    proc = _lint(root)
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0, f"{line} in {module} broke no contract:\n{proc.stdout[-3000:]}"
+    broken = [n for n in _names() if f"{n} BROKEN" in out]
+    assert any(n.startswith(contract) for n in broken), f"{contract!r} not broken by {line} in {module}: {broken}"
+
+
+def test_memrt_comm_submodules_do_not_shadow_torch_distributed():
+    import pkgutil
+
+    import torch.distributed
+
+    import memrt.comm
+
+    torch_names = set(dir(torch.distributed)) | {m.name for m in pkgutil.iter_modules(torch.distributed.__path__)}
+    ours = {m.name for m in pkgutil.iter_modules(memrt.comm.__path__)}
+    assert not ours & torch_names, f"memrt.comm submodules hide torch.distributed names: {sorted(ours & torch_names)}"
+    # the drop-in surface reaches torch's subpackages
+    assert memrt.comm.algorithms is torch.distributed.algorithms
+    assert memrt.comm.algorithms.Join is torch.distributed.algorithms.Join
+    assert memrt.comm.fsdp.fully_shard is torch.distributed.fsdp.fully_shard
+
+
+def _python_files():
+    for top in SOURCES:
+        for path in sorted((REPO / top).rglob("*.py")):
+            if ".venv" not in path.parts and path != Path(__file__).resolve():
+                yield path
+
+
+def test_one_port_rule_and_one_byte_formatter():
+    ports, formatters = [], []
+    for path in _python_files():
+        text = path.read_text()
+        rel = path.relative_to(REPO).as_posix()
+        if re.search(r"\.bind\(\(.*,\s*0\)\)", text):
+            ports.append(rel)
+        if re.search(r"\(\s*\"B\",\s*\"KiB\"", text):
+            formatters.append(rel)
+    assert ports == ["memrt/launcher.py"], f"free ports picked outside memrt.launcher.free_port: {ports}"
+    assert formatters == ["memrt/sizes.py"], f"bytes formatted outside memrt.sizes.format_bytes: {formatters}"
