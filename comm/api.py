@@ -29,7 +29,7 @@ from memrt.comm import hierarchical as alg
 from memrt.comm import events
 from memrt.comm import streams
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
-from memrt.comm.tiers import HierGroups, clear_group_cache, op_name, torch_groups
+from memrt.comm.tiers import REDUCE_OPS, HierGroups, clear_group_cache, op_name, torch_groups
 from memrt.comm.topology import Topology, discover
 
 __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup_topology", "all_reduce",
@@ -73,7 +73,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     script's ``torch.cuda.set_device``; elsewhere it runs here.
     """
     from memrt.config import environ
-    from memrt.launcher import discover_launch, mpi_rendezvous
+    from memrt.errors import ConfigError
+    from memrt.launcher import discover_launch, mpi_rendezvous, slurm_master
 
     mpi_job = backend == "mpi" and not tdist.is_mpi_available()
     if intra_backend not in (None, "mpi", "torch"):
@@ -87,7 +88,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             if launch.is_mpi or (launch.launcher == "slurm" and _mpi_matches(launch.world_size)):
                 init_method = mpi_rendezvous()
             elif launch.launcher == "slurm":
-                init_method = _slurm_init_method(env)
+                found = slurm_master(env)
+                if found is None:
+                    raise ConfigError("MASTER_ADDR", None, "the rendezvous host: srun did not set SLURM_*NODELIST "
+                                                           "and SLURM_JOB_ID; export MASTER_ADDR and MASTER_PORT")
+                init_method = f"tcp://{found[0]}:{found[1]}"
             else:
                 from memrt.launcher import free_port
 
@@ -109,29 +114,6 @@ def _mpi_matches(world: int) -> bool:
         return import_mpi4py().COMM_WORLD.Get_size() == world
     except Exception:  # noqa: BLE001 - no usable MPI under this srun
         return False
-
-
-def _slurm_init_method(env: dict[str, str]) -> str:
-    from memrt.errors import ConfigError
-
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
-        raise ConfigError("MASTER_ADDR", None, "the rendezvous host: srun did not set SLURM_*NODELIST; "
-                                               "export MASTER_ADDR and MASTER_PORT")
-    host = first_host(nodelist)
-    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else \
-        20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000
-    return f"tcp://{host}:{port}"
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: ``"gpu[03-05,07],cpu1"`` -> ``"gpu03"``."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[:nodelist.index("]") + 1]
-    if "[" not in head:
-        return head.strip()
-    prefix, rng = head.split("[", 1)
-    first = rng.rstrip("]").split(",")[0].split("-")[0]
-    return f"{prefix}{first}"
 
 
 def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, health: bool = True,
@@ -241,6 +223,12 @@ def prepare(device: Any = None) -> Topology:
     a comm hook's first call then creates no communicator mid-backward). Idempotent."""
     _ensure(device)
     return _st.topology
+
+
+def settings(device: Any = None) -> Any:
+    """The :class:`memrt.config.MemrtConfig` memrt.comm runs with (read once, when it set up on ``device``)."""
+    _ensure(device)
+    return _st.config
 
 
 def _ensure(device: Any = None) -> None:
@@ -419,15 +407,7 @@ def _plug_for(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
     if "+" not in algorithm:
         return None
     codec = algorithm.split("+", 1)[1]
-    try:
-        from memrt.comm.compress import compressed_all_reduce  # compressed inter-node hop
-    except ImportError:
-        if "compress" not in _st.warned:
-            _st.warned.add("compress")
-            logger.warning("MEMRT_COMPRESS=%s asked for, but memrt.comm.compress is missing: exact all-reduce", codec)
-        return None
-
-    from memrt.comm.compress import feedback_part
+    from memrt.comm.compress import compressed_all_reduce, feedback_part  # compressed inter-node hop
 
     def inter(shard: torch.Tensor, group: Any) -> Any:
         # error feedback only for a caller's own gradient buffer (base_key from the DDP hook): per chunk of it
@@ -572,7 +552,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
     alg.check_reducible(tensor, opn)
     nbytes = tensor.numel() * tensor.element_size()
     if _st.checks:
-        _check("all_reduce", tensor, _st.check_group, extra=list(_OPN).index(opn))
+        _check("all_reduce", tensor, _st.check_group, extra=REDUCE_OPS.index(opn))
     algorithm, predicted = _decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
@@ -600,9 +580,6 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, ke
                     opn.lower(), reason)
     return _flat_torch("all_reduce", tensor, nbytes,
                        lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
-
-
-_OPN = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
@@ -690,7 +667,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     alg.check_reducible(input, opn)
     nbytes = input.numel() * input.element_size()
     if _st.checks:
-        _check("reduce_scatter", input, _st.check_group, extra=list(_OPN).index(opn))
+        _check("reduce_scatter", input, _st.check_group, extra=REDUCE_OPS.index(opn))
     if _st.mpi is not None and input.device.type == "cpu":
         return _run("reduce_scatter", input, nbytes, "flat@mpi", None,
                     lambda: _st.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())

@@ -35,6 +35,8 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
                                         BroadcastOptions, ReduceScatterOptions)
 
+from memrt.comm.tiers import REDUCE_OPS
+
 __all__ = ["BACKEND_NAME", "MemrtProcessGroup", "register", "internal_groups", "passthrough", "inner_spec",
            "set_inner_spec", "is_memrt_group", "default_is_memrt", "ensure_topology", "activation_kwargs"]
 
@@ -43,7 +45,6 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "memrt"
 """The name to pass to ``init_process_group(backend=...)``."""
 
-_REDUCE_OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
 _local = threading.local()
 _lock = threading.Lock()
 _registered = False
@@ -276,7 +277,7 @@ def _red(op: Any) -> Any:
 
 def _op_name(op: Any) -> str | None:
     name = str(getattr(op, "op", op)).split(".")[-1].upper()
-    return name if name in _REDUCE_OPS else None
+    return name if name in REDUCE_OPS else None
 
 
 # ------------------------------------------------------------------------------------- process group

@@ -51,11 +51,11 @@ def ddp_comm_hook(state: Any, bucket):  # no annotations: DDP rejects any but th
     hook_state = state if isinstance(state, DDPHookState) else None
     group = hook_state.process_group if hook_state is not None else state
     codec = hook_state.compress if hook_state is not None else None
-    if codec is None:
-        from memrt.config import load_config
-
-        codec = load_config(warn_unknown=False).compress
     tensor = bucket.buffer()
+    if codec is None:  # the job's MEMRT_COMPRESS, as memrt.comm read it once at set-up
+        from memrt.comm.api import settings
+
+        codec = settings(tensor.device).compress
     tensor.mul_(1.0 / tdist.get_world_size(group))  # DDP's reducer: grad * (1 / world), same rounding
     key = None
     if codec != "none":

@@ -18,9 +18,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as tdist
 
+from memrt.comm.tiers import REDUCE_OPS
+
 __all__ = ["MemrtAllGather", "MemrtReduceScatter", "use_memrt_comms"]
 
-_REDUCE_OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
 
 
 def _comm_classes() -> tuple[type, type]:
@@ -56,7 +57,7 @@ class MemrtReduceScatter(_ReduceScatter):
         from memrt.comm import api
 
         name = str(getattr(op, "op", op)).split(".")[-1].upper()
-        if name not in _REDUCE_OPS:
+        if name not in REDUCE_OPS:
             return tdist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
         return api.reduce_scatter_tensor(output_tensor, input_tensor, getattr(op, "op", op), group=group,
                                          async_op=async_op)

@@ -100,15 +100,10 @@ def topology_key(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str]
 
 def cache_path(key: str, cache_dir: str | Path | None = None) -> Path:
     if cache_dir is None:
-        from memrt.config import environ, load_config
+        from memrt.config import cache_dir as default_cache_dir, environ, load_config
 
         env = environ()
-        cfg = load_config(env, warn_unknown=False)
-        if cfg.report_dir:
-            cache_dir = cfg.report_dir
-        else:
-            base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-            cache_dir = Path(base) / "memrt"
+        cache_dir = load_config(env, warn_unknown=False).report_dir or default_cache_dir(env)
     return Path(cache_dir) / f"comm-links-{key}.json"
 
 

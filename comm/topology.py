@@ -208,25 +208,9 @@ class Topology:
 
 
 def _device_kind(rank: int) -> str:
-    try:
-        from memrt.comm.mixed import local_device_kind  # honours MEMRT_FORCE_DEVICE_KIND
+    from memrt.comm.mixed import local_device_kind  # honours MEMRT_FORCE_DEVICE_KIND
 
-        return local_device_kind(rank=rank)
-    except ImportError:
-        pass
-    from memrt.config import internal_setting
-
-    forced = internal_setting("MEMRT_FORCE_DEVICE_KIND")
-    if forced and "=" not in forced:
-        return forced.strip().lower()
-    if forced:
-        for item in forced.split(","):
-            r, _, kind = item.partition("=")
-            if r.strip().isdigit() and int(r) == rank:
-                return kind.strip().lower()
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return local_device_kind(rank=rank)
 
 
 def _device_memory(kind: str) -> int:

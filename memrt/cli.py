@@ -36,11 +36,7 @@ def _parser(only: str | None) -> tuple[argparse.ArgumentParser, dict[str, argpar
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         subs[name] = p
         if only is None or only == name:
-            try:
-                importlib.import_module(module).add_arguments(p)
-            except ModuleNotFoundError as exc:  # a subcommand whose module is not there yet
-                if exc.name != module:
-                    raise
+            importlib.import_module(module).add_arguments(p)
     return parser, subs
 
 

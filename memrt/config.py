@@ -30,6 +30,7 @@ __all__ = [
     "Setting",
     "VARIABLES",
     "budget_capacity_error",
+    "cache_dir",
     "environ",
     "load_config",
     "parse_bool",
@@ -80,6 +81,14 @@ BALANCE_CHOICES = ("auto", "on", "off")
 def environ() -> dict[str, str]:
     """A copy of the process environment: the only read of ``os.environ`` in memrt."""
     return dict(os.environ)
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where memrt keeps what it measured once per machine (link and copy bandwidths):
+    ``$XDG_CACHE_HOME/memrt``, else ``~/.cache/memrt``."""
+    env = environ() if env is None else env
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "memrt")
 
 
 def parse_bool(name: str, raw: str) -> bool:

@@ -33,10 +33,8 @@ def _devices() -> list[dict]:
 
 
 def _autoload_installed() -> bool:
-    try:
-        from memrt.activation.install import autoload_installed
-    except ImportError:
-        return False
+    from memrt.activation.install import autoload_installed
+
     return autoload_installed()
 
 

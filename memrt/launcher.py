@@ -5,12 +5,14 @@ taken whole, never mixed: torchrun first (its ``RANK`` wins inside a SLURM alloc
 MVAPICH, MPICH/Intel MPI (PMI), SLURM srun, else a single process.
 
 An MPI launch without ``MASTER_ADDR`` reaches torch.distributed through :func:`mpi_rendezvous`, which
-broadcasts rank 0's address and a free port over mpi4py.
+broadcasts rank 0's address and a free port over mpi4py; an srun step through :func:`slurm_master` (the
+first host of the step's node list, a port every rank derives from the job id).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import asdict, dataclass
 from typing import Mapping
@@ -18,7 +20,8 @@ from typing import Mapping
 from memrt.config import environ
 from memrt.errors import ConfigError
 
-__all__ = ["LaunchInfo", "discover_launch", "free_port", "mpi_rendezvous", "import_mpi4py", "pid_alive"]
+__all__ = ["LaunchInfo", "discover_launch", "first_host", "free_port", "mpi_rendezvous", "import_mpi4py", "pid_alive",
+           "slurm_master"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,33 @@ def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr if addr != "0.0.0.0" else "", 0))
         return s.getsockname()[1]
+
+
+SLURM_PORT_BASE = 20000
+"""srun steps without MASTER_PORT use 20000 + (job id mod 20000): the same on every rank, rarely shared by two jobs."""
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    m = re.match(r"\s*([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ValueError(f"cannot read a host from SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1).strip(), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def slurm_master(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) of an srun step: the first host of its node list and ``MASTER_PORT`` when
+    set, else a port from the job id. None when SLURM's variables do not say (no node list or no job id)."""
+    env = environ() if env is None else env
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
+    port = env.get("MASTER_PORT", "")
+    if not nodes or not (port.isdigit() or job.isdigit()):
+        return None
+    return first_host(nodes), int(port) if port.isdigit() else SLURM_PORT_BASE + int(job) % 20000
 
 
 def mpi_rendezvous(addr: str | None = None) -> str:

@@ -311,7 +311,7 @@ def test_wrappers_in_process_world_1(fresh_session, monkeypatch, tmp_path, capsy
 
 
 def test_srun_rendezvous_address():
-    from memrt.activation.mpi import first_host, slurm_master
+    from memrt.launcher import first_host, slurm_master
 
     assert first_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_host("node3") == "node3"

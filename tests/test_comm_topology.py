@@ -6,7 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from memrt.comm.api import first_host, tier_bytes
+from memrt.comm.api import tier_bytes
+from memrt.launcher import first_host
 from memrt.comm.topology import Topology, group_nodes, inter_segments
 
 

@@ -98,15 +98,11 @@ def sweep_leftovers(config: MemrtConfig) -> None:
         for parent in {tempfile.gettempdir(), config.offload_dir or tempfile.gettempdir()}:
             sweep_stale_dirs(parent)
             sweep_stale_reservations(Path(parent))
-    except ImportError:  # memrt.memory not installed
-        pass
     except Exception:  # noqa: BLE001 - sweeping is a courtesy, never a reason to stop
         logging.getLogger(__name__).debug("sweeping offload leftovers failed", exc_info=True)
     try:
         from memrt.comm.shm import sweep_stale_slabs
 
         sweep_stale_slabs()
-    except ImportError:
-        pass
     except Exception:  # noqa: BLE001
         logging.getLogger(__name__).debug("sweeping shared-memory slabs failed", exc_info=True)

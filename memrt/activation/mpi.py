@@ -6,45 +6,20 @@ launcher's variables; here, when the script calls ``init_process_group`` without
 
 - MPI launchers: rank 0's address and a free port, agreed over mpi4py (:func:`memrt.launcher.mpi_rendezvous`);
 - srun: the first host of the step's node list and a port derived from the job id (every rank computes
-  the same values without talking to the others).
+  the same values without talking to the others: :func:`memrt.launcher.slurm_master`).
 """
 
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
 from memrt.activation import session
 from memrt.config import environ
-from memrt.launcher import mpi_rendezvous
+from memrt.launcher import mpi_rendezvous, slurm_master
 
-__all__ = ["rendezvous_kwargs", "slurm_master", "first_host"]
-
-_SLURM_PORT_BASE = 20000
-"""srun jobs use port 20000 + (job id mod 20000): the same on every rank, rarely shared by two jobs."""
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
-    m = re.match(r"\s*([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not m:
-        raise ValueError(f"cannot read a host from SLURM node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + re.split(r"[-,]", ranges)[0]
-
-
-def slurm_master(env: Mapping[str, str]) -> tuple[str, int] | None:
-    """(MASTER_ADDR, MASTER_PORT) for an srun step, or None when SLURM's variables are missing."""
-    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    if not nodes or not job or not job.isdigit():
-        return None
-    return first_host(nodes), _SLURM_PORT_BASE + int(job) % 20000
-
+__all__ = ["rendezvous_kwargs"]
 
 def rendezvous_kwargs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` for init_process_group, after making an env:// rendezvous possible under MPI or srun."""

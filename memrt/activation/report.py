@@ -126,10 +126,8 @@ def _budget_bytes(config: MemrtConfig, device: dict[str, Any]) -> int | None:
 
 def _plans(sess: Session) -> list[dict[str, Any]]:
     out = []
-    try:
-        from memrt import plan_of
-    except (ImportError, AttributeError):
-        return out
+    from memrt import plan_of
+
     for ref in sess.tracked:
         module = ref()
         if module is None:

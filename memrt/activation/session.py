@@ -144,10 +144,8 @@ def _undo_plans(session: Session) -> None:
     """Remove memrt's memory hooks from every model (memrt.disable): training goes on as without memrt."""
     if not session.tracked:
         return
-    try:
-        from memrt import disable
-    except ImportError:
-        return
+    from memrt import disable
+
     for ref in session.tracked:
         module = ref()
         if module is None:

@@ -43,21 +43,9 @@ def _device_of(module: Any) -> str | None:
     return None if param is None else str(param.device)
 
 
-def _missing(exc: ImportError, prefix: str) -> bool:
-    name = getattr(exc, "name", None) or ""
-    return isinstance(exc, ModuleNotFoundError) and (name == prefix or name.startswith(prefix + "."))
-
-
 def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: str | None = None) -> None:
-    try:
-        import memrt.memory  # noqa: F401 - the planner's package
-        from memrt import auto, disable
-    except ImportError as exc:
-        if not _missing(exc, "memrt.memory"):
-            raise
-        entry["memory"] = "memory planner not installed"
-        logger.debug("memrt.memory not importable: no memory plan")
-        return
+    from memrt import auto, disable
+
     try:
         auto(module, budget=sess.config.budget, offload=offload)  # a share resolves on this rank's device
     except Exception:
@@ -106,22 +94,13 @@ def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> 
     if sess.config.comm == "off":
         entry["comm_hook"] = "off (MEMRT_COMM=off)"
         return None
-    try:
-        from memrt.comm.backend import is_memrt_group
-    except ImportError:
-        is_memrt_group = None
-    if is_memrt_group is not None and is_memrt_group(getattr(ddp, "process_group", None)) \
-            and sess.config.compress in (None, "none"):
+    from memrt.comm import register_ddp_hook
+    from memrt.comm.backend import is_memrt_group
+
+    if is_memrt_group(getattr(ddp, "process_group", None)) and sess.config.compress in (None, "none"):
         # The group already runs memrt's algorithms. Compression still takes the hook: it is what names each
         # gradient bucket, so error feedback stays with its bucket (a plain all_reduce is never compressed).
         entry["comm_hook"] = "memrt.comm process group (no hook needed)"
-        return None
-    try:
-        from memrt.comm import register_ddp_hook
-    except ImportError as exc:
-        if not (_missing(exc, "memrt.comm") or "register_ddp_hook" in str(exc)):
-            raise
-        entry["comm_hook"] = "memrt.comm DDP hook not installed"
         return None
     return register_ddp_hook
 
@@ -289,12 +268,9 @@ def _balance_ready(sess: Session, _ddp: Any, ranks: list[int]) -> bool:
 
 def note_fully_shard(sess: Session, module: Any) -> None:
     """Record an FSDP2-sharded module in the report; plan memory for a model that holds sharded blocks."""
-    try:
-        from memrt.comm.backend import default_is_memrt
+    from memrt.comm.backend import default_is_memrt
 
-        comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
-    except ImportError:
-        comm = "fsdp2 own"
+    comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
     entry: dict[str, Any] = {"kind": "fsdp2", "module": type(module).__name__,
                              "parameters": sum(p.numel() for p in module.parameters()),
                              "memory": "planned with the module that shards it and its blocks", "comm_hook": comm,

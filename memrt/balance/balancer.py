@@ -164,13 +164,10 @@ class SpeedBalancer:
         """This rank's most samples per step: ``max_samples``, or from the memory plan when it is 'plan'."""
         if self.max_samples != "plan":
             return self.max_samples
-        try:
-            import memrt
-
-            plan = memrt.plan_of(self._module) if self._module is not None else None
-        except (ImportError, AttributeError):
-            return None
+        import memrt
         from memrt.balance.capability import max_samples_from_plan
+
+        plan = memrt.plan_of(self._module) if self._module is not None else None
 
         if plan is None:
             return None
@@ -228,16 +225,10 @@ class SpeedBalancer:
 
 
 def _memrt_comm_hook(ddp_model: Any, *, required: bool) -> tuple[Any, Any]:
-    """(memrt.comm.ddp_comm_hook, its state) when wanted and available, else (None, None)."""
-    try:
-        import memrt.comm as mcomm
+    """(memrt.comm.ddp_comm_hook, its state) when wanted (``required``, or more than one node), else (None, None)."""
+    import memrt.comm as mcomm
 
-        hook, state_cls = mcomm.ddp_comm_hook, mcomm.DDPHookState
-    except (ImportError, AttributeError) as exc:
-        if required:
-            raise RuntimeError(f"comm='memrt' needs memrt.comm's DDP hook, which is unavailable ({exc}); "
-                               "use comm='torch'") from exc
-        return None, None
+    hook, state_cls = mcomm.ddp_comm_hook, mcomm.DDPHookState
     param = next(iter(ddp_model.parameters()), None)
     device = param.device if param is not None else None  # NCCL: set-up collectives on this rank's device
     if not required:

@@ -46,11 +46,7 @@ class ApplyContext:
     def engine(self, tier: str) -> Any:
         """The offload engine of ``tier`` (created on first use)."""
         if tier not in self.engines:
-            try:
-                from memrt.memory.offload import OffloadEngine
-            except ImportError as exc:
-                raise RuntimeError("this plan offloads but memrt.memory.offload is not available") from exc
-            from memrt.memory.offload import plan_bytes  # plan-sized: free-space check / pinned pool
+            from memrt.memory.offload import OffloadEngine, plan_bytes  # plan-sized: free-space check / pinned pool
 
             self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self._model(),
                                                required_bytes=plan_bytes(getattr(self, "plan", None), tier))

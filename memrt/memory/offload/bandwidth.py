@@ -87,11 +87,9 @@ def _positive(v: object) -> bool:
 
 
 def default_cache_path() -> Path:
-    from memrt.config import environ
+    from memrt.config import cache_dir
 
-    env = environ()
-    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
-    return Path(base) / "memrt" / "bandwidth.json"
+    return Path(cache_dir()) / "bandwidth.json"
 
 
 def _device_key(device: torch.device) -> str:
