@@ -251,78 +251,25 @@ def save_plot(out_dir: str | os.PathLike, name: str, draw: Callable[[Any], None]
 def launch_ranks(argv: Sequence[str], *, nodes: Sequence[Sequence[int]], cluster: Any = None,
                  env: dict[str, str] | None = None, timeout_s: float = 600.0,
                  rank_env: Callable[[int], dict[str, str]] | None = None) -> list[tuple[int, str, str]]:
-    """Start one process per rank (torchrun's variables set), placed on ``nodes``; wait; return (rc, out, err).
+    """(rc, stdout, stderr) per rank of ``argv`` started on ``nodes`` (rank lists, numbered node by node) by
+    :func:`memrt.cluster.launch.launch_ranks` (torchrun's variables; ``cluster``: node i in namespace i).
+    Raises TimeoutError when the ranks run past ``timeout_s``."""
+    from memrt.cluster.launch import launch_ranks as launch
 
-    ``cluster`` (an entered :class:`memrt.cluster.EmulatedCluster`) puts node i's ranks in namespace i and
-    points the rendezvous at node 0's address; without it every rank runs on loopback. ``argv[0]`` of
-    ``"python"`` is this interpreter. Every process is killed if one fails or the timeout passes.
-    """
-    import random
-    import subprocess
-
-    world = sum(len(n) for n in nodes)
-    if cluster is not None and len(nodes) > 2:
-        raise ValueError(f"nodes={nodes!r}: the emulated cluster has two nodes")
-    addr = cluster.addrs[0] if cluster is not None else "127.0.0.1"
-    port = random.randint(20000, 40000) if cluster is not None else free_port()
-    argv = [sys.executable if a == "python" else a for a in argv]
-    procs = []
-    try:
-        for node_index, ranks in enumerate(nodes):
-            for local, rank in enumerate(ranks):
-                e = dict(environ())
-                e.update(env or {})
-                e.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                          "LOCAL_WORLD_SIZE": str(len(ranks)), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
-                          "GROUP_RANK": str(node_index), "NODE_RANK": str(node_index)})
-                e.update(rank_env(rank) if rank_env else {})
-                kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                if cluster is not None:
-                    procs.append(cluster.popen(node_index, argv, env=e, **kw))
-                else:
-                    procs.append(subprocess.Popen(argv, env=e, **kw))
-        return _wait_all(procs, timeout_s)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-
-
-def _wait_all(procs: list, timeout_s: float) -> list[tuple[int, str, str]]:
-    import threading
-
-    results: dict[int, tuple[int, str, str]] = {}
-
-    def reap(i: int, p) -> None:
-        out, err = p.communicate()
-        results[i] = (p.returncode, out, err)
-        if p.returncode != 0:  # one failed: the rest would wait on it until their timeout
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-
-    threads = [threading.Thread(target=reap, args=(i, p), daemon=True) for i, p in enumerate(procs)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in threads):
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for t in threads:
-            t.join(10)
+    if [r for n in nodes for r in n] != list(range(sum(len(n) for n in nodes))):
+        raise ValueError(f"nodes={nodes!r}: ranks must be numbered node by node from 0")
+    results = launch(argv, ranks_per_node=[len(n) for n in nodes], cluster=cluster, env=env, rank_env=rank_env,
+                     timeout_s=timeout_s, check=False)
+    if any(r.timed_out for r in results):
         raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s: "
-                           + "; ".join(f"rank {i}: {results.get(i, (None, '', ''))[2][-300:]}" for i in range(len(procs))))
-    return [results[i] for i in range(len(procs))]
+                           + "; ".join(f"rank {r.rank}: {r.stderr[-300:]}" for r in results))
+    return [(r.returncode, r.stdout, r.stderr) for r in results]
 
 
 def result_lines(outputs: Sequence[tuple[int, str, str]], tag: str = "RESULT ") -> list[dict[str, Any]]:
     """Parse the ``RESULT {json}`` lines every rank printed; raise with the failing rank's stderr."""
     bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
-    if bad:  # the rank that failed first, not one killed because it did (SIGKILL from _wait_all)
+    if bad:  # the rank that failed first, not one killed because it did (SIGKILL from the launcher)
         i, rc, err = next((b for b in bad if b[1] != -9), bad[0])
         raise RuntimeError(f"rank {i} exited {rc}: {err.strip()[-1500:]}")
     found = []

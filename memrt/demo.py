@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,6 @@ from typing import Any
 
 from memrt.config import environ
 from memrt.sizes import format_bytes
-from memrt.launcher import free_port
 
 __all__ = ["add_arguments", "run", "worker_main"]
 
@@ -187,52 +185,23 @@ def _launch(args: argparse.Namespace, out: Path, env_base: dict[str, str], clust
             extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Start every rank, wait (bounded), return their results by rank; raise with the output on failure.
 
-    Each rank's output goes to ``<run>-rank<N>.log`` next to ``out``. On an emulated cluster the ranks are
-    started by :func:`memrt.cluster.launch.run_on_cluster` (torchrun's variables, one namespace per node).
+    Each rank's output goes to ``<run>-rank<N>.log`` next to ``out``. The ranks are started by
+    :func:`memrt.cluster.launch.launch_ranks` (torchrun's variables; on an emulated cluster one namespace per node).
     """
-    world = args.nodes * args.procs
     env_base = {**env_base, "OMP_NUM_THREADS": "1"}
-    if cluster is not None:
-        from memrt.cluster.launch import run_on_cluster
+    from memrt.cluster.launch import first_failure, launch_ranks
 
-        results = run_on_cluster(_argv(args, out, extra), cluster=cluster, ranks_per_node=args.procs,
-                                 env=env_base, timeout_s=args.timeout, check=False)
-        for res in results:
-            (out.parent / f"{out.name}-rank{res.rank}.log").write_text(res.stdout + res.stderr)
-        failed = [(res.rank, f"exit code {res.returncode}") for res in results if res.returncode != 0]
-    else:
-        port = free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(env_base)
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % args.procs),
-                       LOCAL_WORLD_SIZE=str(args.procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            log = open(out.parent / f"{out.name}-rank{rank}.log", "w+")
-            procs.append((subprocess.Popen(_argv(args, out, extra), env=env, stdout=log, stderr=subprocess.STDOUT),
-                          log))
-        deadline = time.monotonic() + args.timeout
-        failed = []
-        try:
-            for rank, (p, log) in enumerate(procs):
-                try:
-                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    failed.append((rank, "timed out"))
-                    break
-                if p.returncode != 0:
-                    failed.append((rank, f"exit code {p.returncode}"))
-                    break
-        finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
+    results = launch_ranks(_argv(args, out, extra), ranks_per_node=[args.procs] * args.nodes, cluster=cluster,
+                           env=env_base, timeout_s=args.timeout, check=False)
+    for res in results:
+        (out.parent / f"{out.name}-rank{res.rank}.log").write_text(res.stdout + res.stderr)
+    bad = first_failure(results)
+    failed = [] if bad is None else [(bad.rank, "timed out" if bad.timed_out else f"exit code {bad.returncode}")]
     if failed:
         rank, why = failed[0]
         text = (out.parent / f"{out.name}-rank{rank}.log").read_text()[-3000:]
         raise RuntimeError(f"memrt demo: rank {rank} of the {out.name} run {why}:\n{text}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(results))]
 
 
 def _stock_ring_tiers(grad_bytes: int, world: int, nodes: tuple[tuple[int, ...], ...], steps: int) -> dict[str, int]:
