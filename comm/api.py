@@ -16,6 +16,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,10 +27,10 @@ import torch.distributed as tdist
 
 from memrt.agreement import check_or_exit as check_settings_agree
 from memrt.comm import hierarchical as alg
-from memrt.comm import events
-from memrt.comm import streams
+from memrt.comm import events, fusion, streams
 from memrt.comm.health import HealthMonitor, check_signatures, debug_mode
-from memrt.comm.tiers import REDUCE_OPS, HierGroups, clear_group_cache, op_name, torch_groups
+from memrt.comm.reduction import REDUCE_OPS, op_name
+from memrt.comm.tiers import HierGroups, clear_group_cache, torch_groups
 from memrt.comm.topology import Topology, discover
 
 __all__ = ["init_process_group", "destroy_process_group", "get_topology", "setup_topology", "all_reduce",
@@ -123,7 +124,7 @@ def setup_topology(*, mpi_job: bool = False, intra_backend: str | None = None, h
     On NCCL every set-up collective runs on :func:`memrt.comm.streams.setup_device` (``device``, a
     collective's tensor device, first): never on cuda:0 of every rank.
     """
-    from memrt.comm.backend import internal_groups
+    from memrt.comm.routing import internal_groups
 
     dev = streams.setup_device(device, device_id=device_id)
     with streams.on_device(dev), internal_groups():  # under the memrt process group, tier groups are plain gloo / NCCL
@@ -159,7 +160,7 @@ def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool, d
     if topo.hierarchical_useful and _st.config.comm != "off" and not mpi_job:
         from memrt.comm.probe import attach_links  # measured links (cached per topology)
 
-        topo = _st.topology = attach_links(topo, groups=_st.groups)
+        topo = _st.topology = attach_links(topo, groups=_st.groups, collectives=sys.modules[__name__])
     return topo
 
 
@@ -463,7 +464,7 @@ def _flat_torch(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any]
         else:
             timer.finish(name, t, nbytes, start, tier, predicted, redop, reason)
 
-    from memrt.comm.backend import passthrough
+    from memrt.comm.routing import passthrough
 
     try:  # passthrough: a memrt process group underneath runs this flat call as it is (no second routing)
         with (_st.health.inside(name) if _st.health is not None else _null()), passthrough():
@@ -529,9 +530,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = tdist.ReduceOp.SUM, group: Any = 
         from memrt.comm.compress import check_compress
 
         check_compress(compress, "compress")
-    elif _mine(group):
-        from memrt.comm import fusion  # back-to-back small async calls are coalesced
-
+    elif _mine(group):  # back-to-back small async calls are coalesced
         fused = fusion.intercept(tensor, op, async_op)
         if fused is not None:
             return fused
@@ -683,3 +682,5 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
 
 
 reduce_scatter_single = reduce_scatter_tensor
+
+fusion.use_all_reduce(_all_reduce)  # fused buffers go through memrt's all-reduce

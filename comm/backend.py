@@ -24,18 +24,18 @@ the real backend: nothing recurses.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as tdist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
                                         BroadcastOptions, ReduceScatterOptions)
 
-from memrt.comm.tiers import REDUCE_OPS
+from memrt.comm.routing import busy as _busy, inside_internal_groups, internal_groups, passthrough
+from memrt.comm.reduction import REDUCE_OPS
 
 __all__ = ["BACKEND_NAME", "MemrtProcessGroup", "register", "internal_groups", "passthrough", "inner_spec",
            "set_inner_spec", "is_memrt_group", "default_is_memrt", "ensure_topology", "activation_kwargs"]
@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "memrt"
 """The name to pass to ``init_process_group(backend=...)``."""
 
-_local = threading.local()
 _lock = threading.Lock()
 _registered = False
 _inner = {"cpu": "gloo"}  # device type -> real backend used underneath new memrt groups
@@ -86,32 +85,6 @@ def set_inner_spec(backend: str | None) -> None:
     _inner.update(spec)
 
 
-@contextlib.contextmanager
-def internal_groups() -> Iterator[None]:
-    """Groups created inside (by memrt itself) are plain gloo / NCCL groups, never memrt groups."""
-    depth = getattr(_local, "internal", 0)
-    _local.internal = depth + 1
-    try:
-        yield
-    finally:
-        _local.internal = depth
-
-
-@contextlib.contextmanager
-def passthrough() -> Iterator[None]:
-    """Collectives issued on this thread inside go straight to the real backends (memrt is already in)."""
-    depth = getattr(_local, "busy", 0)
-    _local.busy = depth + 1
-    try:
-        yield
-    finally:
-        _local.busy = depth
-
-
-def _busy() -> bool:
-    return getattr(_local, "busy", 0) > 0
-
-
 def _real_backend(name: str, store: Any, rank: int, size: int, timeout: Any, ranks: list[int], group: str) -> Any:
     if name == "gloo":
         be = tdist.ProcessGroupGloo(store, rank, size, timeout)
@@ -131,7 +104,7 @@ def _create(dist_opts: Any, backend_options: Any) -> Any:
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     ranks = list(dist_opts.global_ranks_in_group)
     name = dist_opts.group_id
-    if getattr(_local, "internal", 0) > 0:  # memrt's own tier groups: a plain real backend (CPU side)
+    if inside_internal_groups():  # memrt's own tier groups: a plain real backend (CPU side)
         return _real_backend(_inner.get("cpu", "gloo"), tdist.PrefixStore("cpu/", store), rank, size,
                              dist_opts.timeout, ranks, name)
     return MemrtProcessGroup(store, rank, size, dist_opts.timeout, global_ranks=ranks, group_name=name)

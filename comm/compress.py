@@ -25,7 +25,7 @@ import torch
 
 from memrt.comm.codecs import (BLOCK_ELEMENTS, CODECS, INT8_CHUNK_ELEMENTS, Codec, check_codec as _check, decode,
                                encode)
-from memrt.comm.tiers import DONE
+from memrt.comm.reduction import DONE
 
 __all__ = ["CODECS", "COMPRESS_VALUES", "AUTO_CODEC", "AUTO_MIN_GAIN", "Codec", "CodecChoice", "ErrorFeedback",
            "FeedbackKey", "check_compress", "choose_codec", "compressed_all_reduce", "feedback_part",

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "PROBED",
     "TierLink",
     "LinkModel",
     "ring_all_reduce",
@@ -111,6 +112,10 @@ class LinkModel:
         if name == "inter":
             return self.inter if self.inter is not None else self.intra
         return self.intra
+
+
+PROBED: dict[str, LinkModel] = {}
+"""The link models this process measured or loaded (memrt.comm.probe), by topology key, newest last."""
 
 
 def default_link_model() -> LinkModel:

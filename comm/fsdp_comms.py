@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as tdist
 
-from memrt.comm.tiers import REDUCE_OPS
+from memrt.comm.reduction import REDUCE_OPS
 
 __all__ = ["MemrtAllGather", "MemrtReduceScatter", "use_memrt_comms"]
 

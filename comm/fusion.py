@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,10 +36,18 @@ DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
 """Largest fused buffer, bytes."""
 
 
-def _all_reduce(buf: torch.Tensor, op: Any, group: Any, async_op: bool):
-    from memrt.comm.api import _all_reduce as memrt_all_reduce
+_reduce: list[Callable[..., Any]] = []
+"""memrt.comm's all-reduce of one buffer (``(buf, op, group, async_op, *, key)``), handed over by
+:mod:`memrt.comm.api` when it is imported: fusion sits below the API it feeds."""
 
-    return memrt_all_reduce(buf, op, group, async_op, key=("fused", buf.numel(), str(buf.dtype)))
+
+def use_all_reduce(fn: Callable[..., Any]) -> None:
+    """The all-reduce every fused buffer goes through (memrt.comm.api registers its own)."""
+    _reduce[:] = [fn]
+
+
+def _all_reduce(buf: torch.Tensor, op: Any, group: Any, async_op: bool):
+    return _reduce[0](buf, op, group, async_op, key=("fused", buf.numel(), str(buf.dtype)))
 
 
 def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:

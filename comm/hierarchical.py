@@ -30,7 +30,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from memrt.comm.streams import bound
-from memrt.comm.tiers import DONE, HierGroups, Tier, combine_, op_name, torch_groups
+from memrt.comm.reduction import DONE, combine_, op_name
+from memrt.comm.tiers import HierGroups, Tier, torch_groups
 from memrt.comm.topology import Topology
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "auto_chunk_bytes", "hierarchical_all_reduce", "hierarchical_broadcast", "hierarchical_all_gather",

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from memrt.comm import hierarchical as alg
-from memrt.comm.tiers import HierGroups, TorchTier, build_groups, combine_, op_name
+from memrt.comm.reduction import combine_, op_name
+from memrt.comm.tiers import HierGroups, TorchTier, build_groups
 from memrt.comm.topology import Topology
 
 __all__ = ["MPIBackend", "MPITier", "mpi_groups", "mixed_groups", "numpy_view"]

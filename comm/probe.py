@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from memrt.comm.costmodel import MID_CALL_BYTES, LinkModel, TierLink
+from memrt.comm.costmodel import MID_CALL_BYTES, PROBED, LinkModel, TierLink
 
 __all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "topology_key", "fit_alpha_beta", "clear_memo",
            "checked_link_model"]
@@ -54,7 +54,7 @@ INTER_SIZES = (8, 512 << 10, 4 << 20)
 REPS = 3
 """Timed repetitions per size (the median counts), after one warm-up."""
 
-_MEMO: dict[str, LinkModel] = {}
+_MEMO = PROBED  # the models of this process, read by the per-call choice too
 
 
 def clear_memo() -> None:
@@ -195,11 +195,10 @@ _OTHER_OPS = ("all_gather", "reduce_scatter", "broadcast")
 """Ops whose per-call overheads are measured besides all-reduce's (their formulas count other alpha terms)."""
 
 
-def _op_call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], Any]:
-    """One memrt.comm call of ``op`` of ``nbytes`` in the cost model's convention (all_gather: one rank's
-    block; reduce_scatter: the whole input; broadcast: the tensor, from rank 0)."""
-    from memrt.comm import api
-
+def _op_call(api: Any, op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], Any]:
+    """One call of ``op`` of ``nbytes`` through ``api`` (memrt.comm's collectives) in the cost model's
+    convention (all_gather: one rank's block; reduce_scatter: the whole input; broadcast: the tensor, from
+    rank 0)."""
     numel = max(1, nbytes // 4)
     if op == "all_reduce":
         x = torch.ones(numel, device=device)
@@ -215,23 +214,25 @@ def _op_call(op: str, nbytes: int, world: int, device: torch.device) -> Callable
     return lambda: api.broadcast(x, src=0)
 
 
-def _call_times(topology, device: torch.device | None = None) -> list[float]:
+def _call_times(topology, api: Any, device: torch.device | None = None) -> list[float]:
     """Seconds of an 8-byte, a MID_CALL_BYTES and a CALIBRATION_BYTES flat and hierarchical all-reduce, then
     of an 8-byte and a MID_CALL_BYTES call of each of ``_OTHER_OPS`` flat and hierarchical (medians, flat
     and hier alternating; 8-byte calls ``SMALL_BATCH`` back to back per sample). Each call goes through
-    memrt.comm's own function under :func:`memrt.comm.api.comm_mode`, so what is timed is what the choice
+    memrt.comm's own function (``api``: :mod:`memrt.comm.api`, handed down by its set-up) under its
+    ``comm_mode``, so what is timed is what the choice
     picks between (the hand-over to the comm thread, the records); the calls are left out of the comm log
     and the profiler. all_gather and reduce_scatter have a hierarchical path on equal nodes only: elsewhere
     they are not timed."""
     from memrt.comm import events
-    from memrt.comm.api import comm_mode
     from memrt.profiling.recorder import get_recorder
+
+    comm_mode = api.comm_mode
 
     device = device if device is not None else torch.device("cpu")
     world = sum(len(n) for n in topology.nodes)
 
     def timed(op: str, nbytes: int, reps: int) -> list[float]:
-        call = _op_call(op, nbytes, world, device)
+        call = _op_call(api, op, nbytes, world, device)
         batch = SMALL_BATCH if nbytes < MID_CALL_BYTES else 1
 
         def under(mode: str) -> Callable[[], Any]:
@@ -266,7 +267,7 @@ def _timed_ops(nodes: tuple[tuple[int, ...], ...]) -> tuple[str, ...]:
 
 
 def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = "", topology=None,
-                groups=None) -> LinkModel:
+                groups=None, collectives: Any = None) -> LinkModel:
     """Run the probe on every rank of ``group`` (collective); return the fitted model (same on all ranks)."""
     import torch.distributed as dist
 
@@ -303,9 +304,9 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     for size in INTER_SIZES if multi else ():
         results.append(_time_pattern(inter_shared, size, group, device))
     results.extend(_local_rates(device=device))
-    with_overheads = topology is not None and groups is not None and group is None
+    with_overheads = topology is not None and groups is not None and group is None and collectives is not None
     if with_overheads:
-        results.extend(_call_times(topology, device))
+        results.extend(_call_times(topology, collectives, device))
     # wall-clock stamp and elapsed time ride along, so every rank ends with the very same model
     vec = torch.tensor(results + [time.time(), time.perf_counter() - t_start], dtype=torch.float64, device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
@@ -390,7 +391,7 @@ def _op_overheads(nodes: tuple[tuple[int, ...], ...], vals: Sequence[float], bar
 
 def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str] = (), *, group=None,
                       cache_dir: str | Path | None = None, force: bool = False, topology=None,
-                      groups=None) -> tuple[LinkModel, bool]:
+                      groups=None, collectives: Any = None) -> tuple[LinkModel, bool]:
     """The link model for this job: from this process's memo, the cache (rank 0 reads, broadcasts), or a probe.
 
     Collective over ``group``. Returns (model, probed) where ``probed`` says a probe ran now.
@@ -417,7 +418,7 @@ def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence
         model = checked_link_model(msg[0])
         _MEMO[key] = model
         return model, False
-    model = probe_links(nodes, group=group, key=key, topology=topology, groups=groups)
+    model = probe_links(nodes, group=group, key=key, topology=topology, groups=groups, collectives=collectives)
     _MEMO[key] = model
     if dist.get_rank(group) == 0:
         try:  # private like the reports: folders this creates 0700, the file 0600
@@ -465,12 +466,13 @@ def checked_link_model(text: str) -> LinkModel:
     return model
 
 
-def attach_links(topology, *, groups=None, cache_dir: str | Path | None = None):
+def attach_links(topology, *, groups=None, cache_dir: str | Path | None = None, collectives: Any = None):
     """``topology`` with ``links`` set to this job's measured :class:`LinkModel` (collective; probes once).
 
-    ``groups`` (memrt.comm's hierarchical groups) lets the probe time an 8-byte call of each algorithm."""
+    ``groups`` (memrt.comm's hierarchical groups) and ``collectives`` (:mod:`memrt.comm.api`, which calls
+    this at set-up and so cannot be imported from here) let the probe time the calls of each algorithm."""
     import dataclasses
 
     model, _ = ensure_link_model(topology.nodes, topology.device_kinds, cache_dir=cache_dir, topology=topology,
-                                 groups=groups)
+                                 groups=groups, collectives=collectives)
     return dataclasses.replace(topology, links=model)

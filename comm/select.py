@@ -62,10 +62,8 @@ def _model_of(topology: Any, model: cm.LinkModel | None) -> tuple[cm.LinkModel, 
     links = getattr(topology, "links", None)
     if isinstance(links, cm.LinkModel):
         return links, True
-    from memrt.comm import probe
-
-    if probe._MEMO:
-        return next(reversed(probe._MEMO.values())), True
+    if cm.PROBED:
+        return next(reversed(cm.PROBED.values())), True
     return cm.default_link_model(), False
 
 

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from memrt.comm.tiers import DONE, combine, combine_
+from memrt.comm.reduction import DONE, combine, combine_
 from memrt.launcher import pid_alive
 
 __all__ = ["ShmTier", "shm_available", "sweep_stale_slabs"]

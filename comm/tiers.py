@@ -18,53 +18,9 @@ import torch
 
 from memrt.comm.topology import Segment, Topology
 
-__all__ = ["Tier", "TorchTier", "HierGroups", "torch_groups", "op_name", "combine", "combine_", "Done", "clear_group_cache"]
+__all__ = ["Tier", "TorchTier", "HierGroups", "torch_groups", "build_groups", "clear_group_cache"]
 
 logger = logging.getLogger(__name__)
-
-REDUCE_OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
-
-
-def op_name(op: Any) -> str:
-    """'SUM' | 'AVG' | 'MIN' | 'MAX' | 'PRODUCT' from a ReduceOp, its type or a string."""
-    if op is None:
-        return "SUM"
-    name = op if isinstance(op, str) else getattr(op, "name", None) or str(op)
-    name = str(name).split(".")[-1].upper()
-    if name not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not supported by memrt.comm: expected one of {', '.join(REDUCE_OPS)} "
-                         "(other ops: call torch.distributed directly)")
-    return name
-
-
-def combine(a: torch.Tensor, b: torch.Tensor, op: str, *, out: torch.Tensor) -> torch.Tensor:
-    """``out = a (op) b`` in one pass (``out`` may alias ``a`` or ``b``; AVG combines as SUM)."""
-    if op in ("SUM", "AVG"):
-        return torch.add(a, b, out=out)
-    if op == "PRODUCT":
-        return torch.mul(a, b, out=out)
-    if op == "MIN":
-        return torch.minimum(a, b, out=out)
-    return torch.maximum(a, b, out=out)
-
-
-def combine_(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
-    """``acc = acc (op) x`` in place, in ``acc``'s dtype (AVG combines as SUM)."""
-    return combine(acc, x, op, out=acc)
-
-
-class Done:
-    """A finished operation (same interface as a torch Work)."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-DONE = Done()
-
 
 class Tier(Protocol):
     """One communicator; every method starts a non-blocking operation and returns an object with ``wait()``."""

@@ -78,7 +78,7 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
     from memrt.comm import api
 
     model, probed = probe.ensure_link_model(topo.nodes, topo.device_kinds, force=force_probe, topology=topo,
-                                            groups=api._st.groups)
+                                            groups=api._st.groups, collectives=api)
     out: dict[str, Any] = {"nodes": [list(n) for n in topo.nodes], "probe_seconds": time.perf_counter() - t0,
                            "probed": probed, "links": json.loads(model.to_json()), "sizes": {}}
     multi = topo.hierarchical_useful

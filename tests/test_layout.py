@@ -53,6 +53,7 @@ def test_import_contracts_hold(tmp_path):
     ("profiling/recorder.py", "import memrt.memory.planner", "layers"),  # profiling is below memory
     ("comm/costmodel.py", "import memrt.testing.models", "the library never imports"),
     ("errors.py", "import memrt.config", "no import cycles"),  # config imports errors
+    ("comm/reduction.py", "import memrt.comm.tiers", "no import cycles"),  # tiers imports reduction
 ])
 def test_import_contracts_catch_a_violation(tmp_path, module, line, contract):
     root = _installed_copy(tmp_path)
@@ -99,3 +100,21 @@ def test_one_port_rule_and_one_byte_formatter():
             formatters.append(rel)
     assert ports == ["memrt/launcher.py"], f"free ports picked outside memrt.launcher.free_port: {ports}"
     assert formatters == ["memrt/sizes.py"], f"bytes formatted outside memrt.sizes.format_bytes: {formatters}"
+
+
+def test_only_the_core_reads_the_environment():
+    """Outside memrt/config.py the library only writes variables (for torch's env:// reader, child processes);
+    the start-up stubs that decide whether to import memrt at all read MEMRT themselves."""
+    readers = {"memrt/config.py", "memrt/activation/install.py", "memrt/activation/_site/sitecustomize.py"}
+    write = re.compile(r"os\.environ(\[[^\]]+\]\s*=[^=]|\.setdefault\(|\.update\(|\.pop\()")
+    found = []
+    for top in ("memrt", "comm", "profiling"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel in readers:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if re.search(r"os\.getenv|os\.environ", code) and not write.search(code):
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, "environment read outside memrt.config:\n" + "\n".join(found)

@@ -1,0 +1,50 @@
+"""Which path a collective issued on this thread takes: memrt's own, or straight to the real backend.
+
+memrt's algorithms run their sub-collectives on real gloo / NCCL groups, and the ``memrt`` process group
+(:mod:`memrt.comm.backend`) must not route those back into memrt. Two per-thread markers say so:
+:func:`internal_groups` (groups created inside are plain real groups) and :func:`passthrough` (calls made
+inside go to the real backend as they are). Both the collectives (:mod:`memrt.comm.api`) and the process
+group read them, so they live here, below both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+__all__ = ["busy", "inside_internal_groups", "internal_groups", "passthrough"]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def internal_groups() -> Iterator[None]:
+    """Groups created inside (by memrt itself) are plain gloo / NCCL groups, never memrt groups."""
+    depth = getattr(_local, "internal", 0)
+    _local.internal = depth + 1
+    try:
+        yield
+    finally:
+        _local.internal = depth
+
+
+@contextlib.contextmanager
+def passthrough() -> Iterator[None]:
+    """Collectives issued on this thread inside go straight to the real backends (memrt is already in)."""
+    depth = getattr(_local, "busy", 0)
+    _local.busy = depth + 1
+    try:
+        yield
+    finally:
+        _local.busy = depth
+
+
+def busy() -> bool:
+    """Whether this thread is inside :func:`passthrough`."""
+    return getattr(_local, "busy", 0) > 0
+
+
+def inside_internal_groups() -> bool:
+    """Whether this thread is inside :func:`internal_groups`."""
+    return getattr(_local, "internal", 0) > 0
