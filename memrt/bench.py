@@ -14,6 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from memrt.sizes import format_bytes
+
 __all__ = ["add_arguments", "run", "measure", "timed"]
 
 ALGORITHMS = ("flat", "hier", "hier+bf16", "hier+int8")
@@ -164,14 +166,14 @@ def report(res: dict[str, Any]) -> str:
             shared = t.get("shared_beta_s_per_byte")
             lines.append(f"  {tier}: alpha {t['alpha_s'] * 1e6:.0f} us, {1 / max(t['beta_s_per_byte'], 1e-15) / 1e6:.0f} MB/s"
                          + (f" ({1 / max(shared, 1e-15) / 1e6:.0f} MB/s per flow when shared)" if shared else ""))
-    lines.append("size       algorithm   measured    predicted  pred/meas  vs gloo")
+    lines.append("     size  algorithm     measured   predicted  pred/meas  vs gloo")
     for n, row in res["sizes"].items():
         base = row.get("gloo", {}).get("measured")
         for a, v in row.items():
             if a == "auto":
                 continue
             pred = v.get("predicted")
-            lines.append(f"{int(n) / 2**20:6.2f}MiB  {a:10s}  {_fmt(v['measured']):>10s}  "
+            lines.append(f"{format_bytes(int(n)):>9s}  {a:10s}  {_fmt(v['measured']):>10s}  "
                          f"{_fmt(pred) if pred else '-':>10s}  {pred / v['measured'] if pred else float('nan'):9.2f}  "
                          f"{base / v['measured'] if base else float('nan'):6.2f}x")
         lines.append(f"           auto -> {row['auto']['algorithm']}: {row['auto']['reason']}")

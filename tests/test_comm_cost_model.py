@@ -1,6 +1,10 @@
-"""Cost model formulas, the alpha-beta fit, per-call choice, the probe cache key and explain (no processes)."""
+"""Cost model formulas, the alpha-beta fit, per-call choice, the probe cache key and explain (no processes), and
+`memrt bench comm` on local ranks."""
 
+import json
 import math
+import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -167,3 +171,23 @@ def test_explain_rows_nccl_tests_bandwidths():
     assert size_bucket(1025) == 2048
     text = explain(recs)
     assert "hier" in text and "busbw" in text and "PERFORMANCE.md" in text
+
+
+@pytest.mark.slow
+def test_memrt_bench_comm_runs_on_local_ranks(tmp_path):
+    """`memrt bench comm --local 4` (two faked nodes): every algorithm timed per size, auto's choice explained."""
+    import subprocess
+
+    from memrt.testing import venv_bin
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run([venv_bin("memrt"), "bench", "comm", "--local", "4", "--topology", "0,1;2,3",
+                           "--sizes", "4KiB,1MiB", "--reps", "2", "--json", str(tmp_path / "bench.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for size in ("4.00 KiB", "1.00 MiB"):
+        for algo in ("gloo", "flat", "hier", "hier+bf16", "hier+int8"):
+            assert re.search(rf"^\s*{re.escape(size)}\s+{re.escape(algo)}\s+\d", proc.stdout, re.M), (size, algo)
+    assert proc.stdout.count("auto -> ") == 2
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert sorted(int(n) for n in data["sizes"]) == [4096, 1 << 20]
