@@ -186,7 +186,8 @@ def comm_mode(mode: str):
 
 
 def destroy_process_group(group: Any = None) -> None:
-    if group is None or group is tdist.GroupMember.WORLD:
+    world = group is None or group is tdist.GroupMember.WORLD
+    if world:
         if _st.executor is not None:
             _st.executor.shutdown(wait=True)
         if _st.health is not None:
@@ -196,7 +197,7 @@ def destroy_process_group(group: Any = None) -> None:
         clear_group_cache()
         _st.__init__()
     tdist.destroy_process_group(group)
-    if group is None:
+    if world:
         let_backend_threads_finish()
 
 

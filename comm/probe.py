@@ -54,12 +54,9 @@ INTER_SIZES = (8, 512 << 10, 4 << 20)
 REPS = 3
 """Timed repetitions per size (the median counts), after one warm-up."""
 
-_MEMO = PROBED  # the models of this process, read by the per-call choice too
-
-
 def clear_memo() -> None:
     """Forget models probed or loaded in this process (tests)."""
-    _MEMO.clear()
+    PROBED.clear()
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -401,8 +398,8 @@ def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence
     hosts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, _host_identity(), group=group)
     key = topology_key(nodes, device_kinds, hosts)
-    if not force and key in _MEMO:
-        return _MEMO[key], False
+    if not force and key in PROBED:
+        return PROBED[key], False
     path = cache_path(key, cache_dir)
     msg: list[str | None] = [None]
     if dist.get_rank(group) == 0 and not force and path.exists():
@@ -416,10 +413,10 @@ def ensure_link_model(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence
     dist.broadcast_object_list(msg, src=src, group=group)
     if msg[0] is not None:
         model = checked_link_model(msg[0])
-        _MEMO[key] = model
+        PROBED[key] = model
         return model, False
     model = probe_links(nodes, group=group, key=key, topology=topology, groups=groups, collectives=collectives)
-    _MEMO[key] = model
+    PROBED[key] = model
     if dist.get_rank(group) == 0:
         try:  # private like the reports: folders this creates 0700, the file 0600
             from memrt.profiling.recorder import make_private_dir

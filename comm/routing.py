@@ -19,25 +19,23 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def internal_groups() -> Iterator[None]:
+def _marked(marker: str) -> Iterator[None]:
+    depth = getattr(_local, marker, 0)
+    setattr(_local, marker, depth + 1)
+    try:
+        yield
+    finally:
+        setattr(_local, marker, depth)
+
+
+def internal_groups() -> contextlib.AbstractContextManager[None]:
     """Groups created inside (by memrt itself) are plain gloo / NCCL groups, never memrt groups."""
-    depth = getattr(_local, "internal", 0)
-    _local.internal = depth + 1
-    try:
-        yield
-    finally:
-        _local.internal = depth
+    return _marked("internal")
 
 
-@contextlib.contextmanager
-def passthrough() -> Iterator[None]:
+def passthrough() -> contextlib.AbstractContextManager[None]:
     """Collectives issued on this thread inside go straight to the real backends (memrt is already in)."""
-    depth = getattr(_local, "busy", 0)
-    _local.busy = depth + 1
-    try:
-        yield
-    finally:
-        _local.busy = depth
+    return _marked("busy")
 
 
 def busy() -> bool:

@@ -96,7 +96,7 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
             row[a] = {"measured": timed(_caller(x, a), reps_for(n)),
                       "predicted": select.predict(a, n, topo.nodes, model)}
         _use("auto")
-        d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
+        d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
         row["auto"] = {"algorithm": d.algorithm, "reason": d.reason}
         out["sizes"][str(n)] = row
     if sweep and multi:
@@ -113,7 +113,7 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
                         samples[a].append(t)
             meas = {a: statistics.median(v) for a, v in samples.items()}
             _use("auto")
-            d = select.choose("all_reduce", n, torch.float32, topo, api_config(), model=model)
+            d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
             rows.append({"bytes": n, "measured": meas, "chosen": d.algorithm, "predicted": d.candidates,
                          "fastest": min(meas, key=meas.get)})
         out["sweep"] = rows
@@ -143,12 +143,6 @@ def _caller(x, algorithm: str):
         return lambda: api.all_reduce(x)
     codec, key = algorithm.split("+", 1)[1], FeedbackKey(owner=("bench", algorithm, x.numel()))
     return lambda: api._all_reduce(x, tdist.ReduceOp.SUM, None, False, key=key, codec=codec)
-
-
-def api_config():
-    from memrt.comm import api
-
-    return api._st.config
 
 
 def _fmt(s: float) -> str:

@@ -196,11 +196,10 @@ def _launch(args: argparse.Namespace, out: Path, env_base: dict[str, str], clust
     for res in results:
         (out.parent / f"{out.name}-rank{res.rank}.log").write_text(res.stdout + res.stderr)
     bad = first_failure(results)
-    failed = [] if bad is None else [(bad.rank, "timed out" if bad.timed_out else f"exit code {bad.returncode}")]
-    if failed:
-        rank, why = failed[0]
-        text = (out.parent / f"{out.name}-rank{rank}.log").read_text()[-3000:]
-        raise RuntimeError(f"memrt demo: rank {rank} of the {out.name} run {why}:\n{text}")
+    if bad is not None:
+        why = "timed out" if bad.timed_out else f"exit code {bad.returncode}"
+        text = (out.parent / f"{out.name}-rank{bad.rank}.log").read_text()[-3000:]
+        raise RuntimeError(f"memrt demo: rank {bad.rank} of the {out.name} run {why}:\n{text}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(results))]
 
 

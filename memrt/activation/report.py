@@ -256,7 +256,7 @@ def _stop_comm_threads() -> None:
             state.health.stop()
         if getattr(state, "executor", None) is not None:
             state.executor.shutdown(wait=True)
-        if comm_api is not None:
+        if comm_api is not None and comm_api.tdist.is_initialized():  # a destroyed group did this already
             comm_api.let_backend_threads_finish()
     except Exception:  # noqa: BLE001 - best effort at exit
         logger.debug("stopping memrt.comm threads failed", exc_info=True)
