@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import fmt_ratio, launch_ranks, print_table
+from benchmarks._common import fmt_ratio, launch_on_nodes, print_table
 from memrt.cluster.cpucap import can_cap, remove_stale_caps
 
 __all__ = ["SCENARIOS", "run_job", "print_job_table"]
@@ -69,7 +69,7 @@ def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool,
         return {"BALANCE_NETNS": cluster.nodes[i], "GLOO_SOCKET_IFNAME": cluster.ifaces[i],
                 "MASTER_ADDR": cluster.addrs[0]}
 
-    outputs = launch_ranks(argv, nodes=nodes, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900,
+    outputs = launch_on_nodes(argv, nodes=nodes, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900,
                            rank_env=placement)
     bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
     if bad:

@@ -16,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -39,7 +39,7 @@ __all__ = [
     "skip_line",
     "write_json",
     "free_port",
-    "launch_ranks",
+    "launch_on_nodes",
     "result_lines",
 ]
 
@@ -248,13 +248,13 @@ def save_plot(out_dir: str | os.PathLike, name: str, draw: Callable[[Any], None]
 
 
 # ---------------------------------------------------------------- launching ranks ----
-def launch_ranks(argv: Sequence[str], *, nodes: Sequence[Sequence[int]], cluster: Any = None,
+def launch_on_nodes(argv: Sequence[str], *, nodes: Sequence[Sequence[int]], cluster: Any = None,
                  env: dict[str, str] | None = None, timeout_s: float = 600.0,
                  rank_env: Callable[[int], dict[str, str]] | None = None) -> list[tuple[int, str, str]]:
     """(rc, stdout, stderr) per rank of ``argv`` started on ``nodes`` (rank lists, numbered node by node) by
-    :func:`memrt.cluster.launch.launch_ranks` (torchrun's variables; ``cluster``: node i in namespace i).
+    :func:`memrt.testing.launch.launch_ranks` (torchrun's variables; ``cluster``: node i in namespace i).
     Raises TimeoutError when the ranks run past ``timeout_s``."""
-    from memrt.cluster.launch import launch_ranks as launch
+    from memrt.testing.launch import launch_ranks as launch
 
     if [r for n in nodes for r in n] != list(range(sum(len(n) for n in nodes))):
         raise ValueError(f"nodes={nodes!r}: ranks must be numbered node by node from 0")

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from memrt.cluster import EmulatedCluster, can_emulate
-    from memrt.cluster.launch import run_on_cluster
+    from memrt.testing.launch import run_on_cluster
 
     ok, why = can_emulate()
     if not ok:

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_ratio, launch_ranks, machine_info,
+from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_ratio, launch_on_nodes, machine_info,
                                 machine_line, print_table, result_lines, save_plot, skip_line, write_json)
 
 __all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR", "AUTO_SLACK", "auto_check"]
@@ -245,7 +245,7 @@ def _run_impl(impl: str, net: str, cluster: Any, ops: list[str], sizes: list[int
             env["MEMRT_COMM"] = impl.split("-", 1)[1]
     try:
         if impl != "mpi":
-            outs = launch_ranks(base, nodes=NODES, cluster=cluster, env=env, timeout_s=1800)
+            outs = launch_on_nodes(base, nodes=NODES, cluster=cluster, env=env, timeout_s=1800)
         return result_lines(outs)[0]
     except Exception as exc:  # noqa: BLE001 - a failing implementation fails the benchmark
         fail_line(f"{impl}@{net}", f"{type(exc).__name__}: {exc}")

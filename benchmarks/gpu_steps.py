@@ -344,13 +344,14 @@ def _records() -> list:
 
 
 def step_nccl(out: Path, kind: str = "cuda") -> tuple[str, str, dict]:
-    from benchmarks._common import launch_ranks, result_lines
+    from benchmarks._common import launch_on_nodes, result_lines
 
     env = {"MEMRT_TOPOLOGY": "0,1;2,3", "MEMRT_COMM": "hier", "MEMRT_REPORT_DIR": str(out / "logs"),
            "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
            "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "0"}
-    outs = launch_ranks(["python", "-m", "benchmarks.gpu_steps", "--nccl-worker", kind], nodes=((0, 1), (2, 3)), env=env,
-                        timeout_s=55 if kind == "cuda" else 240, rank_env=lambda r: {"NCCL_HOSTID": f"memrt-gpu-check-{r}"})
+    outs = launch_on_nodes(["python", "-m", "benchmarks.gpu_steps", "--nccl-worker", kind], nodes=((0, 1), (2, 3)),
+                           env=env, timeout_s=55 if kind == "cuda" else 240,
+                           rank_env=lambda r: {"NCCL_HOSTID": f"memrt-gpu-check-{r}"})
     r = result_lines(outs)[0]
     bad = [k for k, ok in r["checks"].items() if not ok]
     reason = (f"{len(r['checks']) - len(bad)}/{len(r['checks'])} equal to torch.distributed "

@@ -14,7 +14,7 @@ from typing import Any
 
 from memrt.comm.api import (MemrtWork, all_gather, all_gather_into_tensor, all_gather_single, all_reduce, broadcast,
                             comm_mode, destroy_process_group, get_topology, init_process_group, prepare,
-                            reduce_scatter_single, reduce_scatter_tensor, set_checks, setup_topology)
+                            reduce_scatter_single, reduce_scatter_tensor, set_checks, settings, setup_topology)
 from memrt.comm.ddp_hook import DDPHookState, ddp_comm_hook, register_ddp_hook
 from memrt.comm.explain import explain  # per (op, size) table of choices and timings
 from memrt.comm.fusion import all_reduce_coalesced  # fusion of many small tensors
@@ -26,7 +26,7 @@ __all__ = [
     "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_reduce_coalesced", "broadcast",
     "comm_mode", "ddp_comm_hook", "explain",
     "destroy_process_group", "get_topology", "init_process_group", "prepare", "reduce_scatter_single",
-    "reduce_scatter_tensor", "register_ddp_hook", "set_checks", "setup_topology",
+    "reduce_scatter_tensor", "register_ddp_hook", "set_checks", "settings", "setup_topology",
 ]
 
 _HERE = Path(__file__).parent

@@ -150,14 +150,15 @@ def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str) -> tu
     return args, kwargs, True
 
 
-def ensure_topology() -> Any:
-    """memrt.comm's topology and tier groups (collective on first use: every rank of the world calls it)."""
-    from memrt.comm import api
+def ensure_topology(config: Any = None) -> Any:
+    """memrt.comm's topology and tier groups (collective on first use: every rank of the world calls it);
+    ``config``: the settings to set up with (default: the environment's)."""
+    from memrt.comm.setup import STATE, setup_topology
 
-    if api._st.topology is None:  # noqa: SLF001 - the API's own state: set up once per job
+    if STATE.topology is None:  # set up once per job
         with internal_groups(), passthrough():
-            api.setup_topology()
-    return api._st.topology  # noqa: SLF001
+            setup_topology(config=config)
+    return STATE.topology
 
 
 # --------------------------------------------------------------------------------------------- Work
@@ -199,14 +200,14 @@ class _Work(tdist.Work):
             elif hasattr(inner, "_fut") and hasattr(inner, "get_future"):  # MemrtWork: value = outputs
                 fut = inner.get_future()
             elif hasattr(inner, "_finish") and hasattr(inner, "_work"):  # api's recorded torch Work
-                outputs, finish = self._outputs, inner._finish  # noqa: SLF001
+                outputs, finish = self._outputs, inner._finish  
 
                 def done(f: torch.futures.Future) -> list[torch.Tensor]:
                     f.value()
                     finish()
                     return outputs
 
-                fut = inner._work.get_future().then(done)  # noqa: SLF001
+                fut = inner._work.get_future().then(done)  
             else:
                 fut = inner.get_future()
             self._fut = fut
@@ -322,7 +323,7 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         from memrt.comm import api
 
         with passthrough():
-            work = api._all_reduce(tensors[0], _red(opts.reduceOp), None, True)  # noqa: SLF001
+            work = api.all_reduce_with(tensors[0], _red(opts.reduceOp), None, True)  
         return _Work(work, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -459,10 +460,10 @@ def _ar_opts(op: Any) -> Any:
 
 def _record_flat(op: str, t: torch.Tensor, ranks: list[int], reduce_op: Any, start: float) -> None:
     """CommRecord of a collective memrt ran flat on a group (intra / inter by the group's ring neighbour)."""
-    from memrt.comm import api
+    from memrt.comm.setup import STATE
     from memrt.profiling.recorder import CommRecord, get_recorder
 
-    topo = api._st.topology  # noqa: SLF001
+    topo = STATE.topology
     nbytes = t.numel() * t.element_size()
     w = len(ranks)
     sent = {"all_reduce": 2 * (w - 1) / w * nbytes, "broadcast": nbytes, "all_gather": (w - 1) * nbytes,

@@ -45,7 +45,7 @@ class DDPHookState:
 
 def ddp_comm_hook(state: Any, bucket):  # no annotations: DDP rejects any but the exact GradBucket/Future
     """``(state, bucket) -> Future[Tensor]``: the averaged bucket, through memrt.comm.all_reduce."""
-    from memrt.comm.api import _all_reduce
+    from memrt.comm.api import all_reduce_with
     from memrt.comm.compress import FeedbackKey, get_error_feedback
 
     hook_state = state if isinstance(state, DDPHookState) else None
@@ -63,15 +63,16 @@ def ddp_comm_hook(state: Any, bucket):  # no annotations: DDP rejects any but th
         owner = ("ddp", hook_state.registration if hook_state is not None else id(group), bucket.index())
         get_error_feedback().claim(owner, params)  # another parameter layout: the old residuals are dropped
         key = FeedbackKey(owner=owner)
-    work = _all_reduce(tensor, tdist.ReduceOp.SUM, group, True, key=key, codec=codec)
+    work = all_reduce_with(tensor, tdist.ReduceOp.SUM, group, True, key=key, codec=codec)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def register_ddp_hook(ddp_model: Any, *, compress: str | None = None) -> Any:
+def register_ddp_hook(ddp_model: Any, *, compress: str | None = None, config: Any = None) -> Any:
     """Register :func:`ddp_comm_hook` on ``ddp_model`` (a DistributedDataParallel); returns the model.
 
     Collective (every rank, as DDP's construction): memrt.comm's topology and groups are set up and every
-    communicator is warmed here, on the model's device, so the hook's first call creates none mid-backward."""
+    communicator is warmed here, on the model's device, so the hook's first call creates none mid-backward.
+    ``config``: the settings memrt.comm sets up with, when it is not set up yet (default: the environment's)."""
     from memrt.comm.compress import check_compress
 
     check_compress(compress, "compress")  # before any collective: a bad value fails on every rank alike
@@ -80,6 +81,6 @@ def register_ddp_hook(ddp_model: Any, *, compress: str | None = None) -> Any:
         from memrt.comm.api import prepare
 
         param = next(iter(ddp_model.parameters()), None)
-        prepare(param.device if param is not None else None)  # groups created and warmed now, not mid-backward
+        prepare(param.device if param is not None else None, config=config)  # groups made and warmed now, not mid-backward
     ddp_model.register_comm_hook(DDPHookState(compress=compress, process_group=group), ddp_comm_hook)
     return ddp_model

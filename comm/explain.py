@@ -1,7 +1,8 @@
 """``memrt.comm.explain()``: what each kind of call ran, how long it was predicted and measured to take.
 
-One row per (op, size bucket, algorithm): calls, bytes sent per tier, predicted and measured mean
-time, algorithm bandwidth and bus bandwidth as nccl-tests defines them (NVIDIA nccl-tests,
+One row per (op, size bucket, algorithm), built on :func:`memrt.profiling.comm_log.call_stats`: calls,
+bytes sent per tier, predicted and measured mean time, algorithm bandwidth and bus bandwidth as nccl-tests
+defines them (NVIDIA nccl-tests,
 ``doc/PERFORMANCE.md``): ``algbw = size / time`` and ``busbw = algbw * factor`` with
 :func:`memrt.profiling.comm_log.busbw_factor` (the one rule of the project), where ``size`` is the
 ``nbytes`` of a ``CommRecord`` (nccl-tests' size) and ``n`` the ranks.
@@ -13,7 +14,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from memrt.profiling.comm_log import busbw_factor  # the one busbw rule (nccl-tests doc/PERFORMANCE.md)
+from memrt.profiling.comm_log import busbw_factor, call_stats  # the one busbw rule (nccl-tests doc/PERFORMANCE.md)
+from memrt.profiling.recorder import CommRecord
 from memrt.sizes import format_bytes
 
 __all__ = ["ExplainRow", "explain", "explain_rows", "busbw_factor", "size_bucket"]
@@ -54,32 +56,20 @@ class ExplainRow:
         return self.predicted_seconds / self.measured_seconds
 
 
-def _get(r: Any, name: str, default: Any = None) -> Any:
-    return r.get(name, default) if isinstance(r, dict) else getattr(r, name, default)
-
-
 def explain_rows(records: Iterable[Any]) -> list[ExplainRow]:
-    """Group CommRecords (objects or their JSON dicts) into :class:`ExplainRow`s."""
+    """Group CommRecords (objects or their JSON dicts) into :class:`ExplainRow`s, each the
+    :func:`memrt.profiling.comm_log.call_stats` of its calls."""
     groups: dict[tuple, list[Any]] = {}
     for r in records:
-        key = (_get(r, "op"), size_bucket(int(_get(r, "nbytes", 0))), _get(r, "algorithm"))
-        groups.setdefault(key, []).append(r)
+        r = asdict(r) if isinstance(r, CommRecord) else r
+        groups.setdefault((r["op"], size_bucket(int(r.get("nbytes", 0))), r.get("algorithm")), []).append(r)
     rows = []
-    for (op, bucket, algo), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        calls = len(rs)
-        total = sum(int(_get(r, "nbytes", 0)) for r in rs)
-        secs = sum(float(_get(r, "seconds", 0.0)) for r in rs) / calls
-        preds = [float(p) for p in (_get(r, "predicted_seconds") for r in rs) if p is not None]
-        tiers: dict[str, int] = {}
-        for r in rs:
-            for t, b in (_get(r, "tier_bytes") or {}).items():
-                tiers[t] = tiers.get(t, 0) + int(b)
-        n = max(int(_get(r, "group_size", 1)) for r in rs)
-        algbw = (total / calls) / secs if secs > 0 else 0.0
-        rows.append(ExplainRow(op=op, size_bucket_bytes=bucket, algorithm=algo, calls=calls, bytes_total=total,
-                               tier_bytes=tiers, predicted_seconds=sum(preds) / len(preds) if preds else None,
-                               measured_seconds=secs, algbw_bytes_per_s=algbw,
-                               busbw_bytes_per_s=algbw * busbw_factor(op, n)))
+    for (op, bucket, algo), rs in sorted(groups.items(), key=lambda kv: kv[0]):
+        s = call_stats(rs)
+        rows.append(ExplainRow(op=op, size_bucket_bytes=bucket, algorithm=algo, calls=s.calls, bytes_total=s.bytes_total,
+                               tier_bytes=s.tier_bytes_total, predicted_seconds=s.predicted_seconds,
+                               measured_seconds=s.mean_seconds, algbw_bytes_per_s=s.algbw if s.mean_seconds > 0 else 0.0,
+                               busbw_bytes_per_s=s.busbw if s.mean_seconds > 0 else 0.0))
     return rows
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import sys
 import threading
 import time
@@ -29,8 +28,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["install_exit_guard", "PeerFailureError", "CollectiveMismatchError", "HealthMonitor", "signature", "check_signatures",
-           "debug_mode"]
+from memrt.exits import hard_exit
+
+__all__ = ["install_exit_guard", "PeerFailureError", "CollectiveMismatchError", "HealthMonitor", "signature",
+           "check_signatures"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,6 @@ class PeerFailureError(RuntimeError):
 
 class CollectiveMismatchError(ValueError):
     """Ranks called a collective with different ops, dtypes or shapes."""
-
-
-def debug_mode() -> bool:
-    """True when MEMRT_LOG_LEVEL=debug or TORCH_DISTRIBUTED_DEBUG is INFO/DETAIL."""
-    from memrt.config import environ, load_config
-
-    try:
-        if load_config(warn_unknown=False).log_level == "debug":
-            return True
-    except Exception:  # noqa: BLE001 - a bad setting is reported elsewhere; do not fail a collective here
-        pass
-    return environ().get("TORCH_DISTRIBUTED_DEBUG", "").upper() in ("INFO", "DETAIL")
 
 
 _OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "other")
@@ -312,19 +301,7 @@ class HealthMonitor:
         print(msg, file=sys.stderr, flush=True)
         if self.exit_on_hang:
             self.mark_failed(f"hang in {name}")
-            _hard_exit(1)
-
-
-def _hard_exit(code: int) -> None:
-    """``os._exit`` (the main thread may be blocked on a dead peer forever), after removing this process's
-    offload files: atexit does not run. Looked up, not imported: memrt.comm does not depend on memrt.memory."""
-    cleanup = sys.modules.get("memrt.memory.offload.cleanup")
-    if cleanup is not None:
-        try:
-            cleanup.remove_all_own()
-        except Exception:  # noqa: BLE001 - exiting matters more; the next start on this host sweeps them
-            pass
-    os._exit(code)
+            hard_exit(1)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -356,7 +333,7 @@ def install_exit_guard(grace_s: float = 20.0) -> None:
                 time.sleep(grace_s)
                 print(f"memrt.comm: shutdown after {exc_type.__name__} hung for {grace_s:.0f} s; exiting",
                       file=sys.stderr, flush=True)
-                _hard_exit(1)
+                hard_exit(1)
 
             threading.Thread(target=guard, name="memrt-exit-guard", daemon=True).start()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -294,6 +294,24 @@ def ordered_reduce_scatter(tier: Tier, inp: torch.Tensor, op: str) -> torch.Tens
     return out
 
 
+def _pipeline(started: Iterable[Any], second: Callable[[Any], Any], last: Callable[[Any], None]) -> None:
+    """Three stages over chunks, one chunk apart: while ``started`` issues chunk i's first (asynchronous)
+    stage, chunk i-1 runs ``second`` (which waits for its first stage and issues the next) and chunk i-2
+    ``last``. Every chunk passes every stage in chunk order, on every rank alike."""
+    first_q: list[Any] = []
+    second_q: list[Any] = []
+    for item in started:
+        first_q.append(item)
+        if len(first_q) > 1:
+            second_q.append(second(first_q.pop(0)))
+        if len(second_q) > 1:
+            last(second_q.pop(0))
+    while first_q:
+        second_q.append(second(first_q.pop(0)))
+    while second_q:
+        last(second_q.pop(0))
+
+
 def _uniform(g: HierGroups) -> bool:
     return g.topology.is_uniform and g.topology.num_nodes > 1 and g.slot_tier is not None
 
@@ -314,17 +332,14 @@ def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topo
     x = inp.reshape(-1).contiguous()
     o = out.view(-1)
     chunk = max(1, chunk_bytes // max(x.element_size(), 1))
-    inter_q: list[tuple[Any, torch.Tensor, int, int]] = []
-    intra_q: list[tuple[Any, torch.Tensor, int, int]] = []
 
-    def start_intra(item: tuple[Any, torch.Tensor, int, int]) -> None:
+    def start_intra(item: tuple[Any, torch.Tensor, int, int]) -> tuple[Any, torch.Tensor, int, int]:
         work, by_node, c0, c1 = item
         work.wait()
         if g.intra_ag is None:
-            intra_q.append((None, by_node, c0, c1))
-            return
+            return None, by_node, c0, c1
         full = torch.empty(k * nn * (c1 - c0), dtype=x.dtype, device=x.device)
-        intra_q.append((g.intra_ag.all_gather(full, by_node), full, c0, c1))
+        return g.intra_ag.all_gather(full, by_node), full, c0, c1
 
     def place(item: tuple[Any, torch.Tensor, int, int]) -> None:
         work, full, c0, c1 = item
@@ -335,18 +350,13 @@ def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topo
             for jj, r in enumerate(node):
                 o[r * m + c0:r * m + c1].copy_(view[jj if g.intra_ag is not None else 0, i])
 
-    for c0 in range(0, m, chunk):
-        c1 = min(m, c0 + chunk)
-        by_node = torch.empty(nn * (c1 - c0), dtype=x.dtype, device=x.device)
-        inter_q.append((g.slot_tier.all_gather(by_node, x[c0:c1]), by_node, c0, c1))
-        if len(inter_q) > 1:
-            start_intra(inter_q.pop(0))
-        if len(intra_q) > 1:
-            place(intra_q.pop(0))
-    while inter_q:
-        start_intra(inter_q.pop(0))
-    while intra_q:
-        place(intra_q.pop(0))
+    def start_inter() -> Iterator[tuple[Any, torch.Tensor, int, int]]:
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            by_node = torch.empty(nn * (c1 - c0), dtype=x.dtype, device=x.device)
+            yield g.slot_tier.all_gather(by_node, x[c0:c1]), by_node, c0, c1
+
+    _pipeline(start_inter(), start_intra, place)
     return out
 
 
@@ -372,10 +382,8 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
     order = torch.tensor([topo.nodes[i][jj] for jj in range(k) for i in range(nn)], device=blocks.device)
     res = torch.empty(m, dtype=inp.dtype, device=inp.device)
     chunk = max(1, chunk_bytes // max(inp.element_size(), 1))
-    intra_q: list[tuple[Any, torch.Tensor, int, int]] = []
-    inter_q: list[tuple[Any, torch.Tensor, int, int]] = []
 
-    def start_inter(item: tuple[Any, torch.Tensor, int, int]) -> None:
+    def start_inter(item: tuple[Any, torch.Tensor, int, int]) -> tuple[Any, torch.Tensor, int, int]:
         work, got, c0, c1 = item
         w = c1 - c0
         if work is not None:  # this slot's nn * w elements from every local rank: reduce in local order
@@ -385,30 +393,25 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
         else:
             mine = got
         recv = torch.empty(nn * w, dtype=mine.dtype, device=mine.device)
-        inter_q.append((g.slot_tier.all_to_all(recv, mine, [w] * nn, [w] * nn), recv, c0, c1))
+        return g.slot_tier.all_to_all(recv, mine, [w] * nn, [w] * nn), recv, c0, c1
 
     def finish(item: tuple[Any, torch.Tensor, int, int]) -> None:
         work, recv, c0, c1 = item
         work.wait()
         _ordered_reduce(recv.view(nn, c1 - c0), res[c0:c1], opn)  # node order
 
-    for c0 in range(0, m, chunk):
-        c1 = min(m, c0 + chunk)
-        w = c1 - c0
-        arranged = blocks[order, c0:c1].reshape(-1)
-        if g.intra_rs is not None:
+    def start_intra() -> Iterator[tuple[Any, torch.Tensor, int, int]]:
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            w = c1 - c0
+            arranged = blocks[order, c0:c1].reshape(-1)
+            if g.intra_rs is None:
+                yield None, arranged, c0, c1
+                continue
             got = torch.empty(k * nn * w, dtype=inp.dtype, device=inp.device)
-            intra_q.append((g.intra_rs.all_to_all(got, arranged, [nn * w] * k, [nn * w] * k), got, c0, c1))
-        else:
-            intra_q.append((None, arranged, c0, c1))
-        if len(intra_q) > 1:
-            start_inter(intra_q.pop(0))
-        if len(inter_q) > 1:
-            finish(inter_q.pop(0))
-    while intra_q:
-        start_inter(intra_q.pop(0))
-    while inter_q:
-        finish(inter_q.pop(0))
+            yield g.intra_rs.all_to_all(got, arranged, [nn * w] * k, [nn * w] * k), got, c0, c1
+
+    _pipeline(start_intra(), start_inter, finish)
     if opn == "AVG":
         res.div_(topo.world_size)
     out.view(-1).copy_(res)

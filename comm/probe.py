@@ -96,11 +96,10 @@ def topology_key(nodes: tuple[tuple[int, ...], ...], device_kinds: Sequence[str]
 
 
 def cache_path(key: str, cache_dir: str | Path | None = None) -> Path:
-    if cache_dir is None:
-        from memrt.config import cache_dir as default_cache_dir, environ, load_config
+    if cache_dir is None:  # called on its own, without memrt.comm's settings: the environment's
+        from memrt.config import load_config
 
-        env = environ()
-        cache_dir = load_config(env, warn_unknown=False).report_dir or default_cache_dir(env)
+        cache_dir = load_config(warn_unknown=False).measurement_dir
     return Path(cache_dir) / f"comm-links-{key}.json"
 
 
@@ -277,7 +276,6 @@ def probe_links(nodes: tuple[tuple[int, ...], ...], *, group=None, key: str = ""
     node_of = {r: i for i, n in enumerate(nodes) for r in n}
     mine = nodes[node_of[rank]]
     local = mine.index(rank)
-    patterns: list[tuple[str, tuple[int, ...]]] = []
     # intra: local rank 2k sends to 2k+1 in every node at once
     intra_peer = None
     if len(mine) > 1:

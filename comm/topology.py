@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -229,11 +229,11 @@ def _device_memory(kind: str) -> int:
 def discover(group: Any = None, *, override: tuple[tuple[int, ...], ...] | None = None) -> Topology:
     """Collective over the default group: every rank's identity -> :class:`Topology`.
 
-    ``override`` (default: ``MEMRT_TOPOLOGY``) replaces the grouping; identities are still gathered.
+    ``override`` (memrt.comm's set-up passes ``MEMRT_TOPOLOGY``) replaces the grouping; identities are
+    still gathered.
     """
     import torch.distributed as dist
 
-    from memrt.config import load_config
     from memrt.launcher import discover_launch
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -245,8 +245,6 @@ def discover(group: Any = None, *, override: tuple[tuple[int, ...], ...] | None 
     mine = {"host": local_identity(), "kind": kind, "mem": _device_memory(kind), "local": launch_local}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    if override is None:
-        override = load_config(warn_unknown=False).topology
     if override is not None:
         if sum(len(n) for n in override) != world:
             from memrt.errors import ConfigError

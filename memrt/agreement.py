@@ -293,8 +293,9 @@ def _exchange(store: Any, gen: str, rank: int, world: int, mine: dict[str, Any],
                          f"(rank {rank} waited); rank 0 may have stopped: see its output")
 
 
-def check_or_exit(config: MemrtConfig | None = None, **kwargs: Any) -> None:
-    """:func:`check`, printing the problem as one line on this rank and exiting with status 2.
+def check_or_exit(config: MemrtConfig | None = None, **kwargs: Any) -> MemrtConfig:
+    """:func:`check`, printing the problem as one line on this rank and exiting with status 2; returns the
+    config the ranks agreed on.
 
     Without ``config`` the settings are read here; a bad one is this rank's start-up error, told to the
     other ranks too (so that they stop with a line naming it instead of waiting for this rank).
@@ -310,3 +311,4 @@ def check_or_exit(config: MemrtConfig | None = None, **kwargs: Any) -> None:
         sys.stderr.write(f"memrt: error: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(2) from None
+    return config

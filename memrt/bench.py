@@ -47,14 +47,6 @@ def timed(fn, reps: int, *, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def _use(comm: str, compress: str = "none") -> None:
-    """Force memrt.comm's algorithm for the next calls (same on every rank)."""
-    from memrt.comm import api
-    from memrt.config import load_config
-
-    api._st.config = load_config(warn_unknown=False, comm=comm, compress=compress)
-
-
 SMALL_BYTES = 1 << 20
 SMALL_REPS = 15
 """Calls of at most SMALL_BYTES are timed at least SMALL_REPS times: they take milliseconds, and on shared
@@ -64,11 +56,21 @@ cores one descheduled rank moves a median of a few by tens of percent."""
 def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORITHMS, baseline: bool = True,
             sweep: list[int] | None = None, fusion: bool = False, force_probe: bool = False) -> dict[str, Any]:
     """Collective over an initialized memrt.comm job; returns the same dict on every rank."""
+    from memrt.comm.setup import override
+
+    with override(comm="auto", compress="none"):  # each arm below forces only its algorithm
+        return _measure(sizes=sizes, reps=reps, algorithms=algorithms, baseline=baseline, sweep=sweep, fusion=fusion,
+                        force_probe=force_probe)
+
+
+def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseline: bool, sweep: list[int] | None,
+             fusion: bool, force_probe: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as tdist
 
     import memrt.comm as dist
-    from memrt.comm import probe, select
+    from memrt.comm import api, probe, select
+    from memrt.comm.setup import STATE, override
     from memrt.profiling.recorder import get_recorder
 
     topo = dist.get_topology()
@@ -77,10 +79,8 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         return max(reps, SMALL_REPS) if nbytes <= SMALL_BYTES else reps
 
     t0 = time.perf_counter()
-    from memrt.comm import api
-
     model, probed = probe.ensure_link_model(topo.nodes, topo.device_kinds, force=force_probe, topology=topo,
-                                            groups=api._st.groups, collectives=api)
+                                            groups=STATE.groups, collectives=api)
     out: dict[str, Any] = {"nodes": [list(n) for n in topo.nodes], "probe_seconds": time.perf_counter() - t0,
                            "probed": probed, "links": json.loads(model.to_json()), "sizes": {}}
     multi = topo.hierarchical_useful
@@ -92,10 +92,9 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
         if baseline:
             row["gloo"] = {"measured": timed(lambda: tdist.all_reduce(x), reps_for(n))}
         for a in algos:
-            _use("flat" if a == "flat" else "hier")
-            row[a] = {"measured": timed(_caller(x, a), reps_for(n)),
-                      "predicted": select.predict(a, n, topo.nodes, model)}
-        _use("auto")
+            with override(comm="flat" if a == "flat" else "hier"):
+                row[a] = {"measured": timed(_caller(x, a), reps_for(n)),
+                          "predicted": select.predict(a, n, topo.nodes, model)}
         d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
         row["auto"] = {"algorithm": d.algorithm, "reason": d.reason}
         out["sizes"][str(n)] = row
@@ -107,18 +106,16 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
             samples: dict[str, list[float]] = {"flat": [], "hier": []}
             for i in range(1 + reps_for(n)):
                 for a in samples:
-                    _use(a)
-                    t = timed(lambda: dist.all_reduce(x), 1, warmup=0)
+                    with override(comm=a):
+                        t = timed(lambda: dist.all_reduce(x), 1, warmup=0)
                     if i:  # the first round warms up
                         samples[a].append(t)
             meas = {a: statistics.median(v) for a, v in samples.items()}
-            _use("auto")
             d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
             rows.append({"bytes": n, "measured": meas, "chosen": d.algorithm, "predicted": d.candidates,
                          "fastest": min(meas, key=meas.get)})
         out["sweep"] = rows
     if fusion:
-        _use("auto")
         gen = torch.Generator().manual_seed(topo.rank)
         ts = [torch.randn(4096, generator=gen) for _ in range(256)]  # 256 tensors of 16 KiB
         out["fusion"] = {
@@ -127,7 +124,6 @@ def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORI
             "auto_coalesced_async": timed(lambda: [w.wait() for w in [dist.all_reduce(t, async_op=True) for t in ts]],
                                           reps),
         }
-    _use("auto")
     out["explain"] = dist.explain()
     return out
 
@@ -142,7 +138,7 @@ def _caller(x, algorithm: str):
     if "+" not in algorithm:
         return lambda: api.all_reduce(x)
     codec, key = algorithm.split("+", 1)[1], FeedbackKey(owner=("bench", algorithm, x.numel()))
-    return lambda: api._all_reduce(x, tdist.ReduceOp.SUM, None, False, key=key, codec=codec)
+    return lambda: api.all_reduce_with(x, tdist.ReduceOp.SUM, None, False, key=key, codec=codec)
 
 
 def _fmt(s: float) -> str:

@@ -91,6 +91,10 @@ def cache_dir(env: Mapping[str, str] | None = None) -> str:
     return os.path.join(base, "memrt")
 
 
+def _torch_debug(env: Mapping[str, str]) -> str:
+    return (env.get("TORCH_DISTRIBUTED_DEBUG") or "OFF").strip().upper()
+
+
 def parse_bool(name: str, raw: str) -> bool:
     v = raw.strip().lower()
     if v in _TRUE:
@@ -254,8 +258,24 @@ class MemrtConfig:
     """MEMRT_PROCESS_GROUP: under MEMRT=1, run the job's gloo/nccl process group as memrt's own (every
     collective of DDP without a hook, FSDP2, DeviceMesh and plain calls through memrt.comm). Default off: a rank
     started without MEMRT would wait in init_process_group for peers it cannot pair with."""
+    cache_dir: str = field(default_factory=lambda: cache_dir())
+    """Where memrt keeps what it measured once per machine (link and copy bandwidths): ``$XDG_CACHE_HOME/memrt``,
+    else ``~/.cache/memrt``. Not a MEMRT_* variable: read from the environment with the settings."""
+    torch_debug: str = field(default_factory=lambda: _torch_debug(environ()))
+    """TORCH_DISTRIBUTED_DEBUG as torch reads it (OFF, INFO or DETAIL): INFO and DETAIL, like
+    ``MEMRT_LOG_LEVEL=debug``, turn on memrt.comm's cross-rank argument check."""
     sources: dict[str, str] = field(default_factory=dict)
     """Variable name -> 'default' | 'environment' | 'argument' for every setting."""
+
+    @property
+    def debug(self) -> bool:
+        """Debug checks on: ``MEMRT_LOG_LEVEL=debug`` or ``TORCH_DISTRIBUTED_DEBUG`` INFO / DETAIL."""
+        return self.log_level == "debug" or self.torch_debug in ("INFO", "DETAIL")
+
+    @property
+    def measurement_dir(self) -> str:
+        """Where measured link models are cached: ``MEMRT_REPORT_DIR`` when set, else :attr:`cache_dir`."""
+        return self.report_dir or self.cache_dir
 
     def __post_init__(self) -> None:
         for fname, choices in (("offload", OFFLOAD_CHOICES), ("comm", COMM_CHOICES),
@@ -345,9 +365,11 @@ def load_config(env: Mapping[str, str] | None = None, *, warn_unknown: bool = Tr
         elif var in env and env[var].strip() != "":
             values[fname] = parse(var, env[var])
             sources[var] = "environment"
+    values["cache_dir"] = overrides.pop("cache_dir", None) or cache_dir(env)
+    values["torch_debug"] = _torch_debug(env)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
-        valid = [f.name for f in fields(MemrtConfig) if f.name != "sources"]
+        valid = [f.name for f in fields(MemrtConfig) if f.name not in ("sources", "torch_debug")]
         bad = next(iter(overrides))
         raise TypeError(f"load_config() got an unknown setting {bad!r}; valid settings: {', '.join(valid)}")
     if warn_unknown:

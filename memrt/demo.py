@@ -186,10 +186,10 @@ def _launch(args: argparse.Namespace, out: Path, env_base: dict[str, str], clust
     """Start every rank, wait (bounded), return their results by rank; raise with the output on failure.
 
     Each rank's output goes to ``<run>-rank<N>.log`` next to ``out``. The ranks are started by
-    :func:`memrt.cluster.launch.launch_ranks` (torchrun's variables; on an emulated cluster one namespace per node).
+    :func:`memrt.testing.launch.launch_ranks` (torchrun's variables; on an emulated cluster one namespace per node).
     """
     env_base = {**env_base, "OMP_NUM_THREADS": "1"}
-    from memrt.cluster.launch import first_failure, launch_ranks
+    from memrt.testing.launch import first_failure, launch_ranks
 
     results = launch_ranks(_argv(args, out, extra), ranks_per_node=[args.procs] * args.nodes, cluster=cluster,
                            env=env_base, timeout_s=args.timeout, check=False)
@@ -273,7 +273,6 @@ def run(args: argparse.Namespace) -> int:
     from memrt.activation.run import command_environment
     from memrt.config import parse_budget
 
-    world = args.nodes * args.procs
     nodes = tuple(tuple(range(n * args.procs, (n + 1) * args.procs)) for n in range(args.nodes))
     cluster, topo_source = None, "one machine"
     base = {k: v for k, v in environ().items() if not k.startswith("MEMRT")}

@@ -16,12 +16,13 @@ import re
 import socket
 from dataclasses import asdict, dataclass
 from typing import Mapping
+from urllib.parse import urlparse
 
 from memrt.config import environ
 from memrt.errors import ConfigError
 
-__all__ = ["LaunchInfo", "discover_launch", "first_host", "free_port", "mpi_rendezvous", "import_mpi4py", "pid_alive",
-           "slurm_master"]
+__all__ = ["LaunchInfo", "discover_launch", "first_host", "free_port", "import_mpi4py", "master_address",
+           "mpi_rendezvous", "pid_alive", "slurm_master"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +195,36 @@ def mpi_rendezvous(addr: str | None = None) -> str:
         host = addr or _routable_address()
         url = f"tcp://{host}:{free_port(host)}"
     return comm.bcast(url, root=0)
+
+
+def _mpi_world_is(world: int) -> bool:
+    try:
+        return import_mpi4py().COMM_WORLD.Get_size() == world
+    except Exception:  # noqa: BLE001 - no usable MPI under this srun
+        return False
+
+
+def master_address(launch: LaunchInfo, env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) for a job whose launcher did not set them; None when it did.
+
+    ``launch`` is :func:`discover_launch`'s (``env``: SLURM's variables, default the process's). torchrun,
+    or ``MASTER_ADDR`` and ``MASTER_PORT`` both set: None (torch's ``env://`` reads them). MPI
+    launchers, and srun over an MPI whose world is the step's: rank 0's address and a free port agreed over
+    mpi4py (collective: every rank calls it). srun otherwise: :func:`slurm_master`, or a ConfigError naming
+    MASTER_ADDR when SLURM's variables do not say. A single process: loopback and a free port.
+    """
+    if launch.launcher == "torchrun" or (launch.master_addr and launch.master_port):
+        return None
+    if launch.is_mpi or (launch.launcher == "slurm" and _mpi_world_is(launch.world_size)):
+        url = urlparse(mpi_rendezvous())
+        return url.hostname or "127.0.0.1", int(url.port)
+    if launch.launcher == "slurm":
+        found = slurm_master(env)  # reads the environment when env is None
+        if found is None:
+            raise ConfigError("MASTER_ADDR", None, "the rendezvous host: srun did not set SLURM_*NODELIST and "
+                                                   "SLURM_JOB_ID; export MASTER_ADDR and MASTER_PORT")
+        return found
+    return "127.0.0.1", free_port()
 
 
 def pid_alive(pid: int) -> bool:

@@ -27,10 +27,12 @@ from typing import Any, Iterable, Mapping, Sequence
 from memrt.profiling.recorder import CommRecord, Recorder, get_recorder
 
 __all__ = [
+    "CallStats",
     "CommRow",
     "RankSpread",
     "Straggler",
     "busbw_factor",
+    "call_stats",
     "format_comm_table",
     "format_straggler_table",
     "straggler_view",
@@ -185,6 +187,50 @@ class CommRow:
     """Bytes per tier per call (mean over calls), when recorded."""
 
 
+@dataclass(kw_only=True, slots=True)
+class CallStats:
+    """What a set of recorded calls of one op add up to; the rows of every comm table are built on it."""
+
+    op: str
+    calls: int
+    bytes_total: int
+    """Sum of the calls' nccl-tests sizes."""
+    mean_seconds: float
+    """Mean time of one call."""
+    predicted_seconds: float | None
+    """Mean cost-model prediction over the calls that carried one; None when none did."""
+    tier_bytes_total: dict[str, int]
+    """Bytes sent per tier, summed over the calls."""
+    group_size: int
+    """Largest group the calls ran over."""
+
+    @property
+    def algbw(self) -> float:
+        """Mean size / mean time, bytes per second (inf for calls timed at 0)."""
+        return self.bytes_total / self.calls / self.mean_seconds if self.mean_seconds > 0 else math.inf
+
+    @property
+    def busbw(self) -> float:
+        """algbw times :func:`busbw_factor` of the op over the group."""
+        return self.algbw * busbw_factor(self.op, self.group_size)
+
+
+def call_stats(records: Iterable[Any]) -> CallStats:
+    """:class:`CallStats` of CommRecords (objects or their JSON dicts) of one op; at least one record."""
+    calls = _as_dicts(records)
+    if not calls:
+        raise ValueError("call_stats needs at least one record")
+    preds = [float(r["predicted_seconds"]) for r in calls if r.get("predicted_seconds") is not None]
+    tiers: dict[str, int] = defaultdict(int)
+    for r in calls:
+        for tier, nbytes in (r.get("tier_bytes") or {}).items():
+            tiers[tier] += int(nbytes)
+    return CallStats(op=calls[0]["op"], calls=len(calls), bytes_total=sum(int(r.get("nbytes", 0)) for r in calls),
+                     mean_seconds=sum(float(r.get("seconds", 0.0)) for r in calls) / len(calls),
+                     predicted_seconds=sum(preds) / len(preds) if preds else None, tier_bytes_total=dict(tiers),
+                     group_size=max(int(r.get("group_size", 1)) for r in calls))
+
+
 def _key(r: Mapping[str, Any]) -> tuple:
     return (r["op"], r.get("algorithm", ""), int(r.get("group_size", 1)), int(r["nbytes"]),
             _short_dtype(r.get("dtype", "")), r.get("redop", "") or "")
@@ -206,21 +252,15 @@ def summarize_comm(per_rank: Mapping[int, Iterable[Any]] | Iterable[Any]) -> lis
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2], k[3], k[4])):
         op, algo, n, nbytes, dtype, redop = key
         by_rank = groups[key]
-        rank_means = [sum(r["seconds"] for r in rs) / len(rs) for rs in by_rank.values()]
-        seconds = sum(rank_means) / len(rank_means)
-        calls = [r for rs in by_rank.values() for r in rs]
-        preds = [r["predicted_seconds"] for r in calls if r.get("predicted_seconds") is not None]
-        tiers: dict[str, float] = defaultdict(float)
-        for r in calls:
-            for tier, b in (r.get("tier_bytes") or {}).items():
-                tiers[tier] += b / len(calls)
-        algbw = nbytes / seconds / 1e9 if seconds > 0 else math.inf
+        # merged: the mean of the ranks' means, so that a rank with more calls does not weigh more
+        stats = call_stats([r for rs in by_rank.values() for r in rs])
+        stats.mean_seconds = sum(call_stats(rs).mean_seconds for rs in by_rank.values()) / len(by_rank)
         rows.append(CommRow(op=op, algorithm=algo, group_size=n, size_bytes=nbytes,
                             count=nbytes // _ITEMSIZE.get(dtype, 1), dtype=dtype, redop=redop,
-                            time_us=seconds * 1e6, algbw_gbps=algbw, busbw_gbps=algbw * busbw_factor(op, n),
-                            calls=len(calls), ranks=len(by_rank),
-                            predicted_us=sum(preds) / len(preds) * 1e6 if preds else None,
-                            tier_bytes={k: int(v) for k, v in tiers.items()} or None))
+                            time_us=stats.mean_seconds * 1e6, algbw_gbps=stats.algbw / 1e9,
+                            busbw_gbps=stats.busbw / 1e9, calls=stats.calls, ranks=len(by_rank),
+                            predicted_us=stats.predicted_seconds * 1e6 if stats.predicted_seconds is not None else None,
+                            tier_bytes={k: v // stats.calls for k, v in stats.tier_bytes_total.items()} or None))
     return rows
 
 

@@ -49,12 +49,12 @@ def other_collectives(rank: int, world: int) -> list[str]:
     # and a block of more than one default chunk through the public call
     if topo.is_uniform:
         from memrt.comm import hierarchical as alg
-        from memrt.comm.api import _st
+        from memrt.comm.setup import STATE
 
         for numel, chunk_bytes in ((30011, 4000), (3, 4), (0, 64)):
             x = make_input(rank, numel, torch.float32, "SUM")
             out = torch.full((world * numel,), float("nan"))
-            alg.hierarchical_all_gather(out, x, topo, groups=_st.groups, chunk_bytes=chunk_bytes)
+            alg.hierarchical_all_gather(out, x, topo, groups=STATE.groups, chunk_bytes=chunk_bytes)
             want = torch.cat([make_input(r, numel, torch.float32, "SUM") for r in range(world)])
             if not torch.equal(out, want):
                 fails.append(f"hierarchical all_gather {numel} elements in chunks of {chunk_bytes} B")
@@ -62,7 +62,7 @@ def other_collectives(rank: int, world: int) -> list[str]:
             for op in ("SUM", "AVG", "MAX"):
                 big = make_input(rank, numel * world, torch.float32, op)
                 out = torch.full((numel,), float("nan"))
-                alg.hierarchical_reduce_scatter(out, big, op, topo, groups=_st.groups, chunk_bytes=chunk_bytes)
+                alg.hierarchical_reduce_scatter(out, big, op, topo, groups=STATE.groups, chunk_bytes=chunk_bytes)
                 ref = reference([make_input(r, numel * world, torch.float32, op) for r in range(world)], topo.nodes,
                                 op)
                 if not torch.equal(out, ref[rank * numel:(rank + 1) * numel]):

@@ -318,3 +318,24 @@ def test_srun_rendezvous_address():
     assert first_host("a[1,4]") == "a1"
     assert slurm_master({"SLURM_STEP_NODELIST": "n[2-3]", "SLURM_JOB_ID": "123456"}) == ("n2", 20000 + 123456 % 20000)
     assert slurm_master({"SLURM_JOB_ID": "1"}) is None
+
+
+def test_master_address_is_supplied_only_where_the_launcher_gave_none(monkeypatch):
+    from memrt import launcher
+    from memrt.errors import ConfigError
+    from memrt.launcher import discover_launch, master_address
+
+    monkeypatch.setattr(launcher, "_mpi_world_is", lambda world: False)  # srun without MPI (none started here)
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x",
+                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert master_address(discover_launch(torchrun), torchrun) is None
+    given = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    assert master_address(discover_launch(given), given) is None
+    addr, port = master_address(discover_launch({}), {})
+    assert addr == "127.0.0.1" and 0 < port < 65536
+    srun = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "gpu[4-5]", "SLURM_JOB_ID": "77"}
+    assert master_address(discover_launch(srun), srun) == ("gpu4", 20000 + 77)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        bare = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}
+        master_address(discover_launch(bare), bare)

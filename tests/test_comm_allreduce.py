@@ -32,12 +32,12 @@ def _check_cases(rank: int, world: int, cases: list[tuple[int, str, str]], other
     topo = dist.get_topology()
     other = Topology.from_nodes(other_nodes, rank)
     failures = []
-    from memrt.comm.api import _st
+    from memrt.comm.setup import STATE
     from memrt.comm.tiers import torch_groups
 
     # the public path uses the shared-memory intra tier (same host); the direct one the gloo tiers
     direct_groups = torch_groups(other)  # collective: every rank creates the groups
-    if (topo.local_size > 1 and _st.groups.intra_shm is None) or direct_groups.intra_shm is not None:
+    if (topo.local_size > 1 and STATE.groups.intra_shm is None) or direct_groups.intra_shm is not None:
         failures.append("expected the shared-memory tier on the public path and gloo tiers on the direct one")
     for i, (numel, dtname, op) in enumerate(cases):
         dtype = getattr(torch, dtname)

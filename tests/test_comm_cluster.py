@@ -1,4 +1,4 @@
-"""memrt.cluster.launch.run_on_cluster: 2 namespaces x 2 ranks; discovery must find the two nodes."""
+"""memrt.testing.launch.run_on_cluster: 2 namespaces x 2 ranks; discovery must find the two nodes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ HERE = Path(__file__).parent
 @pytest.mark.root
 @pytest.mark.slow
 def test_run_on_cluster_discovers_two_nodes(emulated_cluster):
-    from memrt.cluster.launch import run_on_cluster
+    from memrt.testing.launch import run_on_cluster
 
     res = run_on_cluster(["python", str(HERE / "_comm_cluster_child.py")], cluster=emulated_cluster,
                          env={"OMP_NUM_THREADS": "1", "MEMRT_COMM": "hier"}, timeout_s=240)

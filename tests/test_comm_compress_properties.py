@@ -104,7 +104,7 @@ def run_case(case: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(2 if case["ef"] else 1):
         y = make_tensor(case, rank)
         if case["path"] == "hier":
-            api._all_reduce(y, tdist.ReduceOp.SUM, None, False, key=key, codec=case["codec"])
+            api.all_reduce_with(y, tdist.ReduceOp.SUM, None, False, key=key, codec=case["codec"])
         else:
             compressed_all_reduce(y, None, case["codec"], key)
     stock = make_tensor(case, rank)

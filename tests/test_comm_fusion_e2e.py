@@ -13,7 +13,7 @@ def _e2e(rank, world):
     import memrt.comm as dist
     from memrt.comm import api, probe
     from memrt.comm.compress import get_error_feedback
-    from memrt.config import load_config
+    from memrt.comm.setup import override
     from memrt.profiling.recorder import get_recorder
     from memrt.testing.models import GPT, GPTConfig, lm_loss
 
@@ -66,33 +66,33 @@ def _e2e(rank, world):
     out["auto_calls"] = len(rec.comm)
 
     # compression through memrt.comm: floats close and identical on all ranks, ints exact, inter bytes shrink
-    api._st.config = load_config(warn_unknown=False, comm="hier", compress="int8")
-    x = torch.randn(300_000, generator=torch.Generator().manual_seed(rank))
-    exact = x.clone()
-    tdist.all_reduce(exact)
-    rec.clear()
-    dist.all_reduce(x, compress="int8")  # MEMRT_COMPRESS alone compresses gradients (DDP), not plain calls
-    gathered = [torch.empty_like(x) for _ in range(world)]
-    tdist.all_gather(gathered, x)
-    out["compressed_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
-    out["compressed_rel_err"] = ((x - exact).abs().max() / exact.abs().max()).item()
-    out["compressed_record"] = (rec.comm[0].algorithm, rec.comm[0].tier_bytes, rec.comm[0].predicted_seconds)
-    # four ranks in one group: the compressed all-to-all reduce-scatter + all-gather path, with feedback
-    from memrt.comm.compress import compressed_all_reduce
+    with override(comm="hier", compress="int8"):
+        x = torch.randn(300_000, generator=torch.Generator().manual_seed(rank))
+        exact = x.clone()
+        tdist.all_reduce(exact)
+        rec.clear()
+        dist.all_reduce(x, compress="int8")  # MEMRT_COMPRESS alone compresses gradients (DDP), not plain calls
+        gathered = [torch.empty_like(x) for _ in range(world)]
+        tdist.all_gather(gathered, x)
+        out["compressed_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
+        out["compressed_rel_err"] = ((x - exact).abs().max() / exact.abs().max()).item()
+        out["compressed_record"] = (rec.comm[0].algorithm, rec.comm[0].tier_bytes, rec.comm[0].predicted_seconds)
+        # four ranks in one group: the compressed all-to-all reduce-scatter + all-gather path, with feedback
+        from memrt.comm.compress import compressed_all_reduce
 
-    y = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
-    y_exact = y.clone()
-    tdist.all_reduce(y_exact)
-    compressed_all_reduce(y, None, "int8", key="world4")
-    tdist.all_gather(gathered[:], torch.nn.functional.pad(y, (0, x.numel() - y.numel())))
-    out["two_phase_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
-    out["two_phase_rel_err"] = ((y - y_exact).abs().max() / y_exact.abs().max()).item()
-    ints = torch.arange(100_000, dtype=torch.int64) * (rank + 1)
-    dist.all_reduce(ints, compress="int8")
-    out["ints_exact"] = torch.equal(ints, torch.arange(100_000, dtype=torch.int64) * 10)
+        y = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
+        y_exact = y.clone()
+        tdist.all_reduce(y_exact)
+        compressed_all_reduce(y, None, "int8", key="world4")
+        tdist.all_gather(gathered[:], torch.nn.functional.pad(y, (0, x.numel() - y.numel())))
+        out["two_phase_identical"] = all(torch.equal(gathered[0], g) for g in gathered)
+        out["two_phase_rel_err"] = ((y - y_exact).abs().max() / y_exact.abs().max()).item()
+        ints = torch.arange(100_000, dtype=torch.int64) * (rank + 1)
+        dist.all_reduce(ints, compress="int8")
+        out["ints_exact"] = torch.equal(ints, torch.arange(100_000, dtype=torch.int64) * 10)
 
-    # DDP: exact vs int8 + error feedback on the inter hop, same seeds and data
-    api._st.config = load_config(warn_unknown=False)
+        # DDP: exact vs int8 + error feedback on the inter hop, same seeds and data
+
     cfg = GPTConfig(vocab_size=32, seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0)
     losses = {}
     for arm in ("exact", "int8"):

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from memrt.comm.api import tier_bytes
+from memrt.comm.select import tier_bytes as select_tier_bytes
 from memrt.launcher import first_host
 from memrt.comm.topology import Topology, group_nodes, inter_segments
 
@@ -67,10 +67,15 @@ def test_slurm_first_host():
     assert first_host("n[1-2]") == "n1"
 
 
+def tiers_on(topo, op, algorithm, nbytes):
+    """Bytes per tier as memrt.comm records them for a call on ``topo`` (its nodes and rank)."""
+    return select_tier_bytes(algorithm, nbytes, topo.nodes, topo.rank, op=op)
+
+
 def test_tier_bytes_hier_sends_less_across_nodes_than_the_flat_ring():
     topo = Topology.from_nodes(((0, 1), (2, 3)), 1)  # rank 1's ring neighbour is on the other node
     n = 64 << 20
-    flat, hier = tier_bytes("all_reduce", "flat", n, topo), tier_bytes("all_reduce", "hier", n, topo)
+    flat, hier = tiers_on(topo, "all_reduce", "flat", n), tiers_on(topo, "all_reduce", "hier", n)
     assert flat == {"intra": 0, "inter": int(1.5 * n)}
     assert hier == {"intra": n, "inter": n // 2}  # RS n/2 + AG n/2 inside the node; n/2 across
 
@@ -100,10 +105,10 @@ def test_tier_bytes_is_right_for_any_rank_to_node_layout(nodes):
                          ("reduce_scatter", int((p - 1) / p * n)), ("broadcast", n)):
             want = _ring_truth(nodes, rank, sent)
             assert select.tier_bytes("flat", n, nodes, rank, op=op) == want, (op, rank)
-            assert tier_bytes(op, "flat", n, topo) == want, (op, rank)  # api's view is the same function
+            assert tiers_on(topo, op, "flat", n) == want, (op, rank)  # the Topology's view is the same
         k = len(next(x for x in nodes if rank in x))
         hier = select.tier_bytes("hier", n, nodes, rank)
-        assert hier == tier_bytes("all_reduce", "hier", n, topo)
+        assert hier == tiers_on(topo, "all_reduce", "hier", n)
         assert hier["intra"] == (int(2 * (k - 1) / k * n) if k > 1 else 0)
     # hierarchical all-reduce: every node pushes the same 2(m-1)/m n across the cut, whatever its size
     # (each of its k ranks carries 1/k of the node's share: no single root)

@@ -113,16 +113,28 @@ def test_bound_uses_the_handing_thread_stream(monkeypatch):
     assert streams.bound(len, None) is len
 
 
+def _fresh_comm_state(monkeypatch, **fields):
+    """memrt.comm's process state as before set-up, with ``fields`` set; restored after the test."""
+    import dataclasses
+
+    from memrt.comm.setup import STATE, CommState
+
+    fresh = CommState(**fields)
+    for f in dataclasses.fields(CommState):
+        monkeypatch.setattr(STATE, f.name, getattr(fresh, f.name))
+
+
 def test_nccl_discovery_waits_for_the_first_collective(monkeypatch):
     """init_process_group on NCCL returns before discovery; the script's set_device comes next; the first
     memrt collective (here get_topology / prepare) discovers on the device then current."""
     import memrt.comm.api as api
+    from memrt.comm import setup
 
     fake = _FakeCuda(monkeypatch, current=0)
     order: list = []
-    monkeypatch.setattr(api.tdist, "init_process_group", lambda **kw: order.append("init"))
-    monkeypatch.setattr(api.tdist, "is_initialized", lambda: True)
-    monkeypatch.setattr(api, "check_settings_agree", lambda: None)
+    monkeypatch.setattr(setup.tdist, "init_process_group", lambda **kw: order.append("init"))
+    monkeypatch.setattr(setup.tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(setup, "check_settings_agree", lambda config=None: config)
     monkeypatch.setattr(streams, "is_nccl", lambda group=None: True)
 
     @contextlib.contextmanager
@@ -136,13 +148,13 @@ def test_nccl_discovery_waits_for_the_first_collective(monkeypatch):
 
     def fake_setup(**kw):
         order.append(("discover", fake.current, kw.get("device")))
-        api._st.topology = "topology"
-        return api._st.topology
+        setup.STATE.topology = "topology"
+        return setup.STATE.topology
 
-    monkeypatch.setattr(api, "_setup_topology", fake_setup)
-    monkeypatch.setattr(api, "_st", api._State())
+    monkeypatch.setattr(setup, "_setup_topology", fake_setup)
+    _fresh_comm_state(monkeypatch)
     api.init_process_group("nccl", init_method="tcp://127.0.0.1:1", world_size=2, rank=1)
-    assert order == ["init"] and api._st.deferred is not None  # nothing collective yet
+    assert order == ["init"] and setup.STATE.deferred is not None  # nothing collective yet
     torch.cuda.set_device(1)  # the script's usual next line
     order.append("set_device")
     assert api.prepare() == "topology"
@@ -153,9 +165,9 @@ def _warm_worker(rank: int, world: int):
     import memrt.comm as dist
 
     dist.get_topology()  # set-up on torch's own gloo group: discovery, groups, warm-up
-    from memrt.comm import api
+    from memrt.comm.setup import STATE
 
-    return [list(g) for g in api._st.warmed]
+    return [list(g) for g in STATE.warmed]
 
 
 @pytest.mark.slow
@@ -375,7 +387,7 @@ def test_host_tier_stream_order_on_cpu(monkeypatch, tmp_path):
 def test_flat_cuda_call_is_timed_to_completion(monkeypatch):
     """A flat torch collective on a CUDA tensor: its record's seconds come from CUDA events around the call
     (read later, no host wait) and the hang watchdog tracks the end event, not the enqueue."""
-    import memrt.comm.api as api
+    from memrt.comm import dispatch
     from memrt.comm.topology import Topology
     from memrt.profiling.recorder import Recorder
 
@@ -405,11 +417,10 @@ def test_flat_cuda_call_is_timed_to_completion(monkeypatch):
     monkeypatch.setattr("memrt.profiling.recorder.get_recorder", lambda: rec)
     tracked = []
     health = SimpleNamespace(inside=lambda name: contextlib.nullcontext(), track=lambda n, e: tracked.append((n, e)))
-    st = api._State(topology=Topology.from_nodes(((0, 1),), 0), health=health)
-    monkeypatch.setattr(api, "_st", st)
+    _fresh_comm_state(monkeypatch, topology=Topology.from_nodes(((0, 1),), 0), health=health)
     t = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float32, element_size=lambda: 4)
     called = []
-    api._flat_torch("all_reduce", t, 4096, lambda: called.append(fake.log[-1]), async_op=False)
+    dispatch.run_flat("all_reduce", t, 4096, lambda: called.append(fake.log[-1]), async_op=False)
     assert called == [("record", "compute")]  # the start event is on the caller's stream, before the call
     assert len(events) == 2 and tracked == [("all_reduce", events[1])]
     assert rec.comm[0].seconds == 0.0  # not read at enqueue
@@ -423,7 +434,7 @@ def test_ddp_hook_registration_sets_up_groups_first(monkeypatch):
     from memrt.comm import ddp_hook
 
     order = []
-    monkeypatch.setattr(api, "prepare", lambda device=None: order.append(("prepare", device)))
+    monkeypatch.setattr(api, "prepare", lambda device=None, config=None: order.append(("prepare", device)))
     param = torch.nn.Parameter(torch.ones(2))
     ddp = SimpleNamespace(process_group=None, parameters=lambda: iter([param]),
                           register_comm_hook=lambda state, hook: order.append(("register", hook.__name__)))

@@ -54,6 +54,7 @@ def test_import_contracts_hold(tmp_path):
     ("comm/costmodel.py", "import memrt.testing.models", "the library never imports"),
     ("errors.py", "import memrt.config", "no import cycles"),  # config imports errors
     ("comm/reduction.py", "import memrt.comm.tiers", "no import cycles"),  # tiers imports reduction
+    ("memory/planner.py", "import memrt.memory.offload.folder", "the planner and the plan applier"),  # through the registry
 ])
 def test_import_contracts_catch_a_violation(tmp_path, module, line, contract):
     root = _installed_copy(tmp_path)
@@ -118,3 +119,49 @@ def test_only_the_core_reads_the_environment():
                 if re.search(r"os\.getenv|os\.environ", code) and not write.search(code):
                     found.append(f"{rel}:{n}: {line.strip()}")
     assert not found, "environment read outside memrt.config:\n" + "\n".join(found)
+
+
+def test_one_of_each_shared_rule():
+    """One definition of each rule the project shares: the rank launcher, the free port, the byte format,
+    nccl-tests' busbw factor, the bytes a call sends per tier."""
+    homes = {"launch_ranks": ["memrt/testing/launch.py"], "free_port": ["memrt/launcher.py"],
+             "format_bytes": ["memrt/sizes.py"], "busbw_factor": ["profiling/comm_log.py"],
+             "tier_bytes": ["comm/select.py"]}
+    found: dict[str, list[str]] = {name: [] for name in homes}
+    for path in _python_files():
+        for name in re.findall(r"^\s*def (\w+)\(", path.read_text(), re.M):
+            if name in found:
+                found[name].append(path.relative_to(REPO).as_posix())
+    assert found == homes
+
+
+def _layout_rows() -> list[tuple[str, str]]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    return [(where.strip(), what.strip()) for where, what in rows]
+
+
+def test_readme_layout_matches_the_tree():
+    """Every path the README's Layout table names exists, every file it names is in its row's folders, and
+    every package and top-level module of memrt is in the table."""
+    rows = _layout_rows()
+    named = set()
+    for where, what in rows:
+        folders = []
+        for path in re.findall(r"`([\w.-]*/[\w./-]*|[\w.-]+\.(?:py|md|sh))`", where):  # paths, not module names
+            assert (REPO / path).exists(), f"README Layout names {path}, which is not in the tree"
+            named.add(path.rstrip("/"))
+            if (REPO / path).is_dir():
+                folders.append(REPO / path)
+        for path in re.findall(r"`([\w./-]+\.py)`", what):
+            if "/" in path:
+                assert (REPO / path).exists(), f"README Layout names {path}, which is not in the tree"
+                named.add(path)
+            else:
+                assert any(list(f.rglob(path)) for f in folders), f"README Layout: {path} is not in {where}"
+    for child in sorted((REPO / "memrt").iterdir()):
+        rel = child.relative_to(REPO).as_posix()
+        if child.is_dir() and (child / "__init__.py").exists() or child.suffix == ".py" and \
+                child.name not in ("__init__.py", "__main__.py", "_version.py"):
+            assert rel in named, f"{rel} is not in the README's Layout table"

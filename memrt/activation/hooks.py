@@ -245,7 +245,7 @@ def _wrap_init_process_group(original: Callable) -> Callable:
                 if switched:
                     from memrt.comm.backend import ensure_topology
 
-                    ensure_topology()  # collective: every rank is here, right after init
+                    ensure_topology(config)  # collective: every rank is here, right after init
             except Exception as exc:  # noqa: BLE001
                 _session.fail("start-up after init_process_group", exc)
         return result
@@ -276,9 +276,9 @@ def _wrap_destroy_process_group(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def destroy_process_group(group=None):
-        comm_api = sys.modules.get("memrt.comm.api")
-        if (getattr(_DESTROYING, "active", False) or _session.current() is None or comm_api is None
-                or getattr(getattr(comm_api, "_st", None), "topology", None) is None):
+        comm_setup = sys.modules.get("memrt.comm.setup")
+        if (getattr(_DESTROYING, "active", False) or _session.current() is None or comm_setup is None
+                or comm_setup.STATE.topology is None):
             return original(group)
         import torch.distributed as dist
 
@@ -286,7 +286,7 @@ def _wrap_destroy_process_group(original: Callable) -> Callable:
             return original(group)
         _DESTROYING.active = True
         try:
-            comm_api.destroy_process_group(group)  # ends in torch's own (this wrapper passes it through)
+            comm_setup.destroy_process_group(group)  # ends in torch's own (this wrapper passes it through)
         except Exception as exc:  # noqa: BLE001
             _session.fail("memrt.comm teardown", exc)
             if dist.is_initialized():

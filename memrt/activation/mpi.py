@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import urlparse
 
 from memrt.activation import session
-from memrt.config import environ
-from memrt.launcher import mpi_rendezvous, slurm_master
+from memrt.errors import ConfigError
+from memrt.launcher import master_address
 
 __all__ = ["rendezvous_kwargs"]
+
 
 def rendezvous_kwargs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` for init_process_group, after making an env:// rendezvous possible under MPI or srun."""
@@ -29,17 +29,11 @@ def rendezvous_kwargs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
     if kwargs.get("store") is not None or init_method not in (None, "env://"):
         return kwargs
-    env = environ()
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        return kwargs
-    if launch.is_mpi:
-        url = urlparse(mpi_rendezvous())
-        addr, port = url.hostname or "127.0.0.1", url.port
-    else:
-        found = slurm_master(env)
-        if found is None:
-            return kwargs  # torch's own error will name MASTER_ADDR
-        addr, port = found
-    os.environ["MASTER_ADDR"] = addr  # writes for torch's env:// reader; memrt reads through memrt.config
-    os.environ["MASTER_PORT"] = str(port)
+    try:
+        found = master_address(launch)
+    except ConfigError:
+        return kwargs  # torch's own error will name MASTER_ADDR
+    if found is not None:
+        os.environ["MASTER_ADDR"] = found[0]  # writes for torch's env:// reader; memrt reads through memrt.config
+        os.environ["MASTER_PORT"] = str(found[1])
     return kwargs

@@ -249,14 +249,14 @@ def at_exit() -> None:
 def _stop_comm_threads() -> None:
     """Stop memrt.comm's heartbeat thread and executor, and let the backend's threads finish, when the job
     exits without destroying its group."""
-    comm_api = sys.modules.get("memrt.comm.api")
-    state = getattr(comm_api, "_st", None)
+    comm_setup = sys.modules.get("memrt.comm.setup")  # never imported here: only a job that used memrt.comm
+    state = getattr(comm_setup, "STATE", None)
     try:
         if getattr(state, "health", None) is not None:
             state.health.stop()
         if getattr(state, "executor", None) is not None:
             state.executor.shutdown(wait=True)
-        if comm_api is not None and comm_api.tdist.is_initialized():  # a destroyed group did this already
-            comm_api.let_backend_threads_finish()
+        if comm_setup is not None and comm_setup.tdist.is_initialized():  # a destroyed group did this already
+            comm_setup.let_backend_threads_finish()
     except Exception:  # noqa: BLE001 - best effort at exit
         logger.debug("stopping memrt.comm threads failed", exc_info=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from memrt.config import MemrtConfig, internal_setting, load_config
 from memrt.errors import ConfigError, MemrtError
+from memrt.exits import hard_exit
 from memrt.launcher import LaunchInfo, discover_launch
 
 __all__ = ["Session", "current", "fail", "load_config_or_exit", "remember_launch", "launch_info", "is_off",
@@ -112,7 +113,10 @@ def is_off() -> bool:
 
 
 def _strict() -> bool:
-    try:
+    sess = current()
+    if sess is not None:
+        return sess.config.strict
+    try:  # before the session (a start-up failure): the environment's setting
         return load_config(warn_unknown=False).strict
     except ConfigError:
         return False
@@ -125,7 +129,7 @@ def fail(what: str, exc: BaseException) -> None:
         if what == "start-up":  # an exception cannot leave a .pth line: say it and stop like a failed import
             sys.stderr.write(f"memrt: error: {what} failed: {type(exc).__name__}: {exc} (MEMRT_STRICT=1)\n")
             sys.stderr.flush()
-            os._exit(2)
+            hard_exit(2)
         raise ActivationError(f"memrt {what} failed (MEMRT_STRICT=1): {type(exc).__name__}: {exc}") from exc
     _OFF = True
     session = current()

@@ -180,7 +180,7 @@ def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, 
     if register is not None:
         ddp.register_comm_hook = lambda state, hook: captured.append((state, hook))  # what memrt.comm registers
         try:
-            register(ddp, compress=sess.config.compress)  # the session's value: no environment read per bucket
+            register(ddp, compress=sess.config.compress, config=sess.config)  # the session's settings, passed down
         finally:
             del ddp.register_comm_hook
     if captured:
@@ -247,7 +247,7 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     if not comm_ok:
         return
     try:
-        register(ddp, compress=sess.config.compress)  # the session's value: no environment read per bucket
+        register(ddp, compress=sess.config.compress, config=sess.config)  # the session's settings, passed down
     except Exception as exc:  # noqa: BLE001
         _session.fail("registering the memrt.comm DDP hook", exc)
         return

@@ -8,6 +8,7 @@ names of submodules here, so the functions are exported from ``memrt`` only.)
 
 from __future__ import annotations
 
+from memrt.memory import offload  # noqa: F401  (plugs the offload tiers into the planner and applied plans)
 from memrt.memory.apply import register_action
 from memrt.memory.auto import disable, plan_of
 from memrt.memory.options import UnitOption

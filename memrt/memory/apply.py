@@ -4,9 +4,9 @@ The units are instrumented (:class:`memrt.memory.instrument.Instrumentation`: ``
 unit instances only, one pre-hook on the model numbering each step's unit calls); :func:`memrt.disable`
 (or ``handle.remove()``) restores everything.
 
-Action handlers live in a small registry (:func:`register_action`): ``keep``, ``recompute`` and the
-offload actions (``offload_<tier>``, ``recompute+offload_<tier>``), which use
-:class:`memrt.memory.offload.OffloadEngine` through ``pack_hooks(i)`` and ``before_backward(i)``.
+Action handlers live in a small registry (:func:`register_action`): ``keep`` and ``recompute`` here; the
+offload tiers register ``offload_<tier>`` and ``recompute+offload_<tier>`` (:mod:`memrt.memory.offload.plugin`),
+keeping their engines in :attr:`ApplyContext.engines`, closed with the plan.
 """
 
 from __future__ import annotations
@@ -43,14 +43,9 @@ class ApplyContext:
         self.device, self.offload_dir = device, offload_dir
         self.engines: dict[str, Any] = {}
 
-    def engine(self, tier: str) -> Any:
-        """The offload engine of ``tier`` (created on first use)."""
-        if tier not in self.engines:
-            from memrt.memory.offload import OffloadEngine, plan_bytes  # plan-sized: free-space check / pinned pool
-
-            self.engines[tier] = OffloadEngine(tier, device=self.device, directory=self.offload_dir, keep=self._model(),
-                                               required_bytes=plan_bytes(getattr(self, "plan", None), tier))
-        return self.engines[tier]
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
 
     def close(self) -> None:
         for e in self.engines.values():
@@ -91,31 +86,8 @@ def _recompute(ctx: ApplyContext, action: str) -> ActionHandler:
     return lambda i, name, module, fn, args, kwargs: run_recomputed(fn, args, kwargs, module=module, name=name)
 
 
-def _offload(ctx: ApplyContext, action: str) -> ActionHandler:
-    recompute = action.startswith("recompute+")
-    tier = action.split("offload_", 1)[1]
-
-    def handler(i: int, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        from memrt.memory.offload.wrap import notify_before_backward
-
-        engine = ctx.engine(tier)
-        if recompute:
-            with engine.packing(i) as store:
-                out = run_recomputed(fn, args, kwargs, module=module, name=name, store=store)
-            notify_before_backward(out, engine, i)
-            return out
-        with engine.pack_hooks(i):
-            out = fn(*args, **kwargs)
-        notify_before_backward(out, engine, i)
-        return out
-
-    return handler
-
-
 register_action("keep", _keep)
 register_action("recompute", _recompute)
-register_action("offload_", _offload)
-register_action("recompute+offload_", _offload)
 
 
 class ApplyHandle:

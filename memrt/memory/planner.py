@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from memrt.errors import BudgetError
-from memrt.memory.options import UnitOption
+from memrt.memory.options import UnitOption, option_sources
 from memrt.memory.profile import Profile, UnitProfile
 
 __all__ = ["UnitOption", "UnitPlan", "Plan", "plan", "base_options", "min_feasible_budget", "predict_peak"]
@@ -309,26 +309,21 @@ def _peak(m: _Model, pick: Sequence[int]) -> int:
 
 
 def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: OptionsFn | None) -> OptionsFn:
-    offload_fn = None
+    proposed: list[OptionsFn] = []
     if offload not in (None, "none"):
-        from memrt.memory.offload import load_bandwidths, offload_options
-        from memrt.memory.offload.folder import usable_tiers  # host needs CUDA, disk a usable folder
-
-        tiers = usable_tiers(profile, offload, profile.device)
-        if bandwidths is None and tiers:
-            try:
-                bandwidths = load_bandwidths(profile.device)
-            except Exception as exc:  # noqa: BLE001 - a failed probe only removes offload options
-                logger.warning("offload bandwidth probe failed (%s): planning keep/recompute only", exc)
-        if bandwidths is not None and tiers:
-
-            def offload_fn(u: UnitProfile) -> Sequence[UnitOption]:
-                return offload_options(u, bandwidths, profile.device, tiers=tiers)
+        sources = option_sources()
+        if not sources:
+            raise ValueError(f"offload={offload!r}: no offload tiers are registered (import memrt.memory.offload)")
+        for source in sources:
+            fn_of_unit = source.propose(profile, offload, bandwidths)
+            if fn_of_unit is not None:
+                proposed.append(fn_of_unit)
 
     def fn(u: UnitProfile) -> list[UnitOption]:
         opts = base_options(u)
-        if offload_fn is not None and u.has_backward:
-            opts += list(offload_fn(u))
+        if u.has_backward:
+            for more in proposed:
+                opts += list(more(u))
         if extra is not None:
             opts += list(extra(u))
         return opts
@@ -408,10 +403,7 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
                   keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
                   planning_seconds=time.perf_counter() - t0, structure=profile.structure,
                   signature=profile.signature, device=profile.device)
-    if any(u.action.endswith("offload_disk") for u in units):
-        from memrt.memory.offload.folder import room_for  # no room in the offload folder: plan without disk
-
-        if not room_for(result):
-            return plan(profile, budget, margin_bytes=margin_bytes, offload=offload, bandwidths=bandwidths,
-                        extra_options=extra_options, resolution=resolution)
+    if offload not in (None, "none") and not all(source.admit(result) for source in option_sources()):
+        return plan(profile, budget, margin_bytes=margin_bytes, offload=offload, bandwidths=bandwidths,
+                    extra_options=extra_options, resolution=resolution)
     return result

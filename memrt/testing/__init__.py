@@ -1,5 +1,5 @@
-"""Helpers to run code in real processes, used by memrt's tests and benchmarks."""
+"""The harness that runs memrt's tests and benchmarks: rank launchers, test models, the model zoo."""
 
-from memrt.testing.distributed import ProcessFailure, run_mpi, run_processes, venv_bin
+from memrt.testing.launch import ProcessFailure, launch_ranks, run_mpi, run_on_cluster, run_processes, venv_bin
 
-__all__ = ["ProcessFailure", "run_mpi", "run_processes", "venv_bin"]
+__all__ = ["ProcessFailure", "launch_ranks", "run_mpi", "run_on_cluster", "run_processes", "venv_bin"]

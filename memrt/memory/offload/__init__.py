@@ -5,6 +5,8 @@
 - :func:`offload_options` — per-unit offload choices (and costs) for the planner.
 - :func:`probe_bandwidths` / :func:`load_bandwidths` — measured copy and disk speeds, cached.
 - :func:`offload_units` — the lower-level path: offload (or recompute + offload inputs) given modules.
+
+Importing this package plugs the tiers into the planner and into applied plans (:mod:`.plugin`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from memrt.memory.offload.engine import TIERS, OffloadEngine, OffloadStats, plan
 from memrt.memory.offload.errors import OffloadError
 from memrt.memory.offload.options import OFFLOAD_ACTIONS, offload_options
 from memrt.memory.offload.wrap import OffloadHandle, offload_units, recompute_offload
+from memrt.memory.offload import plugin  # noqa: F401  (registers the tiers' options and actions)
 
 __all__ = [
     "Bandwidths",

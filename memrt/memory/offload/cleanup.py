@@ -23,6 +23,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from memrt.exits import on_hard_exit
 from memrt.launcher import pid_alive
 
 __all__ = ["make_private_dir", "make_folder_chain", "register_dir", "register_file", "forget_file", "remove_dir",
@@ -217,6 +218,7 @@ def _install_handlers() -> None:
         return
     _installed = True
     atexit.register(_remove_all_own)
+    on_hard_exit(_remove_all_own)  # os._exit skips atexit
     if threading.current_thread() is not threading.main_thread():
         logger.debug("offload directory registered off the main thread: no SIGTERM handler installed")
         return

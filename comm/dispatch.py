@@ -1,0 +1,189 @@
+"""How one collective call runs: the algorithm choice, memrt's comm thread or torch's call, the record.
+
+:func:`decide` asks :func:`memrt.comm.select.choose` (``MEMRT_COMM`` forces; ``auto`` takes the cost
+model's fastest). :func:`run_own` runs memrt's algorithm on the one comm thread, in call order;
+:func:`run_flat` runs torch's call as it is. Both record one :class:`~memrt.profiling.recorder.CommRecord`
+per user call (bytes per tier, predicted and measured seconds) and one profiler event of the backend's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from memrt.comm import events, streams
+from memrt.comm.health import check_signatures
+from memrt.comm.routing import passthrough
+from memrt.comm.select import choose, tier_bytes
+from memrt.comm.setup import STATE
+from memrt.comm.work import MemrtWork, RecordedWork, raise_diagnosed
+from memrt.profiling import recorder
+
+__all__ = ["check_arguments", "compressed_inter_hop", "decide", "on_world", "record", "run_flat", "run_own",
+           "sent_per_tier", "world_size"]
+
+logger = logging.getLogger(__name__)
+
+
+def record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, start: float, tier: dict[str, int],
+           predicted: float | None, redop: str = "", reason: str = "") -> None:
+    """One CommRecord; its size is nccl-tests' (all_gather: the gathered output, ``nbytes`` x ranks)."""
+    world = world_size()
+    recorder.get_recorder().record_comm(recorder.CommRecord(
+        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes) * (world if op == "all_gather" else 1),
+        group_size=world, algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier,
+        predicted_seconds=predicted, start=start, redop=redop, reason=reason))
+
+
+def world_size() -> int:
+    """Ranks of the default group (the topology's, once discovered)."""
+    return STATE.topology.world_size if STATE.topology is not None else tdist.get_world_size()
+
+
+def sent_per_tier(op: str, algorithm: str, nbytes: int, element_size: int) -> dict[str, int]:
+    """Bytes this rank sends per tier for one call on this job's topology (:func:`memrt.comm.select.tier_bytes`)."""
+    topo = STATE.topology
+    return tier_bytes(algorithm, nbytes, topo.nodes, topo.rank, element_size, op=op)
+
+
+def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0) -> tuple[str, float | None]:
+    """(algorithm, predicted seconds) for one call: memrt.comm.select.choose, the cost model's pick."""
+    cfg, topo = STATE.config, STATE.topology
+    if cfg.comm == "off":
+        return "off", None
+    if not topo.hierarchical_useful or STATE.groups is None:
+        return "flat", None
+    # compression is asked per call (the DDP hook under MEMRT_COMPRESS, compress=), never by the config alone
+    d = choose(op, nbytes, dtype, topo, _exact_config(cfg), reduce_op=reduce_op, backend=str(tdist.get_backend()),
+               src=src)
+    logger.debug("%s %d B: %s (%s)", op, nbytes, d.algorithm, d.reason)
+    return d.algorithm, d.predicted_seconds
+
+
+_exact_cfg: list[Any] = [None, None]
+
+
+def _exact_config(cfg: Any) -> Any:
+    """``cfg`` with compress="none" (cached for the current config object)."""
+    if getattr(cfg, "compress", "none") == "none":
+        return cfg
+    if _exact_cfg[0] is not cfg:
+        _exact_cfg[:] = [cfg, dataclasses.replace(cfg, compress="none")]
+    return _exact_cfg[1]
+
+
+def compressed_inter_hop(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
+    """The inter-node all-reduce of a compressed hierarchical ``algorithm`` ("hier+int8"), None for an exact one.
+
+    ``base_key`` (the DDP hook's gradient buffer, None for a plain call) keys error feedback per chunk of the
+    buffer that starts at ``flat_ptr``."""
+    if "+" not in algorithm:
+        return None
+    codec = algorithm.split("+", 1)[1]
+    from memrt.comm.compress import compressed_all_reduce, feedback_part  # compressed inter-node hop
+
+    def inter(shard: torch.Tensor, group: Any) -> Any:
+        # error feedback only for a caller's own gradient buffer (base_key from the DDP hook): per chunk of it
+        key = None if base_key is None else feedback_part(base_key, shard.data_ptr() - flat_ptr, shard.numel())
+        # async: the payload is on the wire when this returns, the pipeline's wait() decodes it, so the
+        # helper thread encodes the next chunk while this one crosses the slow link
+        return compressed_all_reduce(shard, group, codec, key, async_op=True)
+
+    return inter
+
+
+def run_own(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: float | None, fn: Callable[[], Any],
+            async_op: bool, outputs: list[torch.Tensor], redop: str = "", reason: str = "") -> MemrtWork | None:
+    """Run memrt's own algorithm ``fn`` for the user's call on the comm thread (one profiler event of the
+    backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there)."""
+    start = time.perf_counter()
+    tier = sent_per_tier(name, algorithm, nbytes, t.element_size())
+    sub = streams.DeviceSubmission(t)  # CUDA: the worker's device and stream; done = the GPU work is done
+    event = events.begin(name, [t])
+
+    def job() -> None:
+        try:
+            # quiet: a profiler that records every thread would otherwise show fn's sub-collectives
+            if STATE.health is not None:
+                with STATE.health.inside(name), events.quiet():
+                    sub.run(fn)
+            else:
+                with events.quiet():
+                    sub.run(fn)
+        except Exception as exc:  # noqa: BLE001
+            raise_diagnosed(name, exc)
+        finally:
+            if event is not None:
+                event.end(here=True)
+        record(name, t, nbytes, algorithm, start, tier, predicted, redop, reason)
+
+    work = MemrtWork(STATE.executor.submit(job), outputs)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def run_flat(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], async_op: bool,
+             predicted: float | None = None, redop: str = "", reason: str = "") -> Any:
+    """Run torch's own collective ``call`` for the user's call, as it is, and record it (on completion for
+    ``async_op``: the returned :class:`~memrt.comm.work.RecordedWork`)."""
+    start = time.perf_counter()
+    tier = sent_per_tier(name, "flat", nbytes, t.element_size())
+    timer = _CudaTimer(t) if t.is_cuda else None  # CUDA: seconds and the watchdog follow completion
+
+    def finish() -> None:
+        if timer is None:
+            record(name, t, nbytes, "flat", start, tier, predicted, redop, reason)
+        else:
+            timer.finish(name, t, nbytes, start, tier, predicted, redop, reason)
+
+    try:  # passthrough: a memrt process group underneath runs this flat call as it is (no second routing)
+        with (STATE.health.inside(name) if STATE.health is not None else contextlib.nullcontext()), passthrough():
+            work = call()
+    except Exception as exc:  # noqa: BLE001
+        raise_diagnosed(name, exc)
+    if async_op:
+        return RecordedWork(work, finish, name)
+    finish()
+    return None
+
+
+class _CudaTimer:
+    """CUDA events around a flat torch collective: the record's seconds run to completion (read later, no
+    host wait) and the hang watchdog watches the end event rather than the enqueue."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device = t.device
+        self.start_ev = torch.cuda.Event(enable_timing=True)
+        self.start_ev.record(torch.cuda.current_stream(self.device))
+
+    def finish(self, name: str, t: torch.Tensor, nbytes: int, start: float, tier: dict[str, int],
+               predicted: float | None, redop: str = "", reason: str = "") -> None:
+        end_ev = torch.cuda.Event(enable_timing=True)
+        end_ev.record(torch.cuda.current_stream(self.device))  # after the call (or wait): joined the comm stream
+        if STATE.health is not None and hasattr(STATE.health, "track"):
+            STATE.health.track(name, end_ev)
+        recorder.get_recorder().record_comm_pending(recorder.CommRecord(
+            op=name, dtype=str(t.dtype).replace("torch.", ""),
+            nbytes=int(nbytes) * (world_size() if name == "all_gather" else 1), group_size=world_size(),
+            algorithm="flat", seconds=0.0, tier_bytes=tier, predicted_seconds=predicted, start=start, redop=redop,
+            reason=reason), self.start_ev, end_ev)
+
+
+def check_arguments(op: str, tensor: torch.Tensor, group: Any, *, extra: int = 0) -> None:
+    with events.quiet():  # the cross-rank argument check is memrt's collective, not the user's
+        check_signatures(op, tensor, group, extra=extra)
+
+
+def on_world(group: Any) -> bool:
+    """Whether a call on ``group`` is memrt's to route: the default group, once initialized."""
+    return (group is None or group is tdist.GroupMember.WORLD) and tdist.is_initialized()
+
+
