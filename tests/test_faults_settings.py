@@ -196,6 +196,31 @@ def test_an_offload_folder_that_is_a_file_drops_the_disk_tier_with_one_warning(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+def test_memrt_auto_plans_with_the_folder_of_the_config_it_is_given(tmp_path, monkeypatch, caplog):
+    """The offload folder the planner checks is the one memrt.auto was configured with, not the environment's:
+    a config naming a file drops the disk tier (with the warning naming it) although the environment has none."""
+    import memrt
+    from memrt.config import load_config
+    from memrt.testing.models import GPT, GPTConfig, lm_loss
+
+    monkeypatch.delenv("MEMRT_OFFLOAD_DIR", raising=False)
+    target = tmp_path / "afile"
+    target.write_text("")
+    config = load_config(warn_unknown=False, offload_dir=str(target))
+    assert folder.usable_tiers(_profile(1 << 20), "disk", "cpu") == ("disk",)  # the environment's: the temp dir
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
+    memrt.auto(model, budget="64GiB", offload="disk", config=config)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # profiled, planned, planned step
+            lm_loss(model(x), x).backward()
+    assert memrt.plan_of(model) is not None
+    memrt.disable(model)
+    lines = [line for line in _warnings(caplog) if "cannot take offloaded activations" in line]
+    assert len(lines) == 1 and f"MEMRT_OFFLOAD_DIR={target}" in lines[0], _warnings(caplog)
+
+
 def test_strict_mode_makes_an_unusable_offload_folder_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMRT_OFFLOAD_DIR", str(tmp_path / "afile"))
     monkeypatch.setenv("MEMRT_STRICT", "1")

@@ -47,7 +47,8 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: 
     from memrt import auto, disable
 
     try:
-        auto(module, budget=sess.config.budget, offload=offload)  # a share resolves on this rank's device
+        # the session's settings; a share of the device resolves on this rank's device
+        auto(module, budget=sess.config.budget, offload=offload, config=sess.config)
     except Exception:
         try:
             disable(module)

@@ -51,10 +51,12 @@ MAX_TRIES = 3
 
 class _State:
     def __init__(self, model: nn.Module, budget_bytes: int | None, *, units: Sequence[str] | None,
-                 offload: str, cache: PlanCache, offload_dir: str | None) -> None:
+                 offload: str, cache: PlanCache, config: MemrtConfig) -> None:
         self._model = weakref.ref(model)
         self.budget = budget_bytes
         self.offload = offload
+        self.config = config
+        """The settings this model is planned and offloaded under (the offload folder, strict)."""
         self.cache = cache
         self.device = model_device(model)
         self.units = find_units(model, units)
@@ -91,7 +93,7 @@ class _State:
         self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                           for t in list(model.parameters()) + list(model.buffers())}.values())
         self.warned_untracked = False
-        self.handle = ApplyHandle(model, None, units=units, offload_dir=offload_dir, on_step=self._on_step,
+        self.handle = ApplyHandle(model, None, units=units, offload_dir=config.offload_dir, on_step=self._on_step,
                                   on_other=self._on_other, on_output=self._on_output)
 
     # -- step boundary ------------------------------------------------------------------------------
@@ -299,7 +301,8 @@ class _State:
 
     def _make_plan(self, profile: Profile, *, margin: int, tries: int, scale: float = 1.0) -> None:
         try:
-            p = make_plan(scale_profile(profile, scale), self.budget, margin_bytes=margin, offload=self.offload)
+            p = make_plan(scale_profile(profile, scale), self.budget, margin_bytes=margin, offload=self.offload,
+                          config=self.config)
         except BudgetError:
             if scale > 1.0:  # the bucket's largest shape does not fit by the model: plan for the shape seen
                 logger.warning("memrt: no plan fits %s (the largest shape of its bucket) under the budget; "
@@ -337,7 +340,7 @@ class _State:
             self._replan_for_outside(entry, measured, over)
             return
         if p.tries >= MAX_TRIES:
-            key, self.key, self.entry = self.key, None, None
+            self.key, self.entry = None, None
             self.handle.set_plan(None)
             raise BudgetError(self.budget, measured + p.margin_bytes,
                               f"measured peak {measured} bytes exceeds the budget by {over} bytes after "
@@ -474,7 +477,7 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
     off = offload if offload is not None else cfg.offload
     if cache is None:
         cache = PlanCache(cache_dir) if cache_dir is not None else default_cache()
-    _STATES[model] = _State(model, budget_bytes, units=units, offload=off, cache=cache, offload_dir=cfg.offload_dir)
+    _STATES[model] = _State(model, budget_bytes, units=units, offload=off, cache=cache, config=cfg)
     return compiled
 
 

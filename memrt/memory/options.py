@@ -40,12 +40,13 @@ class OptionSource:
 
     name: str
     """Which ``offload=`` settings it serves: "offload" serves auto, disk and host."""
-    propose: Callable[[Any, str, Any], Callable[[Any], Sequence[UnitOption]] | None]
-    """``propose(profile, offload, bandwidths)``: a function of a unit profile to its options, or None when
-    nothing is usable in this process (no CUDA for host, no usable folder for disk)."""
-    admit: Callable[[Any], bool]
-    """``admit(plan)``: False when the plan cannot be carried out as made (e.g. no room in the folder), after
-    the source has stopped proposing what failed: the planner then plans again."""
+    propose: Callable[[Any, str, Any, Any], Callable[[Any], Sequence[UnitOption]] | None]
+    """``propose(profile, offload, bandwidths, config)``: a function of a unit profile to its options, or None
+    when nothing is usable in this process (no CUDA for host, no usable folder for disk). ``config``: the
+    settings the plan is made under (None: the environment's)."""
+    admit: Callable[[Any, Any], bool]
+    """``admit(plan, config)``: False when the plan cannot be carried out as made (e.g. no room in the folder),
+    after the source has stopped proposing what failed: the planner then plans again."""
 
 
 _SOURCES: dict[str, OptionSource] = {}

@@ -308,14 +308,15 @@ def _peak(m: _Model, pick: Sequence[int]) -> int:
     return int(max(peak, p + prev_inf + int(m.C[len(pick)])))
 
 
-def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: OptionsFn | None) -> OptionsFn:
+def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: OptionsFn | None,
+                config: Any = None) -> OptionsFn:
     proposed: list[OptionsFn] = []
     if offload not in (None, "none"):
         sources = option_sources()
         if not sources:
             raise ValueError(f"offload={offload!r}: no offload tiers are registered (import memrt.memory.offload)")
         for source in sources:
-            fn_of_unit = source.propose(profile, offload, bandwidths)
+            fn_of_unit = source.propose(profile, offload, bandwidths, config)
             if fn_of_unit is not None:
                 proposed.append(fn_of_unit)
 
@@ -338,10 +339,10 @@ def _expect_profile(api: str, profile: Any) -> None:
 
 
 def min_feasible_budget(profile: Profile, *, offload: str | None = None, bandwidths: Any = None,
-                        extra_options: OptionsFn | None = None, resolution: int = 2048) -> int:
+                        extra_options: OptionsFn | None = None, resolution: int = 2048, config: Any = None) -> int:
     """The smallest budget (bytes) under which some plan fits, by the memory model."""
     _expect_profile("memrt.memory.min_feasible_budget", profile)
-    m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options))
+    m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options, config))
     res = _solve(m, None, "peak", resolution)
     assert res is not None
     return _peak(m, res[0])
@@ -355,11 +356,13 @@ def predict_peak(profile: Profile, actions: Sequence[str]) -> int:
 
 
 def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int = 0, offload: str | None = None,
-         bandwidths: Any = None, extra_options: OptionsFn | None = None, resolution: int = 512) -> Plan:
+         bandwidths: Any = None, extra_options: OptionsFn | None = None, resolution: int = 512,
+         config: Any = None) -> Plan:
     """Least added time with the predicted peak <= ``budget - margin_bytes``.
 
     ``budget``: bytes, a size string ("3GiB"), or None (no limit: keep everything). ``offload``: None/"none"
-    (keep and recompute only), "auto", "disk" or "host" (needs :mod:`memrt.memory.offload`).
+    (keep and recompute only), "auto", "disk" or "host" (needs :mod:`memrt.memory.offload`). ``config``: the
+    settings the offload tiers plan with (their folder, strict), default the environment's.
     Raises :class:`memrt.BudgetError` with the smallest feasible budget when none fits.
     """
     t0 = time.perf_counter()
@@ -369,7 +372,7 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
 
         parsed = parse_budget("budget", budget)
         budget = None if parsed is None else parsed.resolve(None)
-    m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options))
+    m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options, config))
     keep_all = _peak(m, [0] * len(m.R))
     # the least peak: a coarse front for the record; the full one only when it decides feasibility
     best_peak = _solve(m, None, "peak", min(resolution, 256))
@@ -403,7 +406,7 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
                   keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
                   planning_seconds=time.perf_counter() - t0, structure=profile.structure,
                   signature=profile.signature, device=profile.device)
-    if offload not in (None, "none") and not all(source.admit(result) for source in option_sources()):
+    if offload not in (None, "none") and not all(source.admit(result, config) for source in option_sources()):
         return plan(profile, budget, margin_bytes=margin_bytes, offload=offload, bandwidths=bandwidths,
-                    extra_options=extra_options, resolution=resolution)
+                    extra_options=extra_options, resolution=resolution, config=config)
     return result

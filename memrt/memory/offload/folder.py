@@ -173,11 +173,12 @@ def check_folder(parent: str | os.PathLike | None, need_bytes: int, *, margin: f
     return check
 
 
-def usable_tiers(profile: Any, offload: str | None, device: Any) -> tuple[str, ...]:
+def usable_tiers(profile: Any, offload: str | None, device: Any, config: Any = None) -> tuple[str, ...]:
     """The offload tiers the planner may use for ``profile`` with ``MEMRT_OFFLOAD=offload`` on ``device``.
 
     The disk tier needs a folder that exists or can be created and that this process can write; whether
-    it has room is decided for the plan made with it (:func:`room_for`)."""
+    it has room is decided for the plan made with it (:func:`room_for`). ``config``: the settings naming the
+    folder (``offload_dir``) and ``strict`` (default: the environment's)."""
     import torch
 
     if offload in (None, "none"):
@@ -189,12 +190,12 @@ def usable_tiers(profile: Any, offload: str | None, device: Any) -> tuple[str, .
             _warn_once("host", f"MEMRT_OFFLOAD=host: the host tier needs a CUDA device and this process plans for "
                                f"{device}; planning without offloading (keep / recompute)")
         tiers = tuple(t for t in tiers if t != "host")
-    if "disk" in tiers and _verdict(0).problem is not None:
+    if "disk" in tiers and _verdict(0, config).problem is not None:
         tiers = tuple(t for t in tiers if t != "disk")
     return tuple(tiers)
 
 
-def room_for(plan: Any) -> bool:
+def room_for(plan: Any, config: Any = None) -> bool:
     """Whether the disk tier's folder has room for ``plan`` (and every other plan sharing it); reserves it.
 
     False after one warning when it has not: the disk tier is then left out of this process's plans
@@ -202,14 +203,15 @@ def room_for(plan: Any) -> bool:
     from memrt.memory.offload.engine import plan_bytes
 
     need = plan_bytes(plan, "disk")
-    return need == 0 or _verdict(need).problem is None
+    return need == 0 or _verdict(need, config).problem is None
 
 
-def _verdict(need: int) -> "FolderCheck":
+def _verdict(need: int, config: Any = None) -> "FolderCheck":
     """The folder's check for a plan writing ``need`` bytes (0: usable at all), warned once when it fails."""
-    from memrt.config import load_config
+    if config is None:  # called on its own: the environment's settings
+        from memrt.config import load_config
 
-    config = load_config(warn_unknown=False)
+        config = load_config(warn_unknown=False)
     key = str(config.offload_dir)
     check = _checked.get(key)
     if check is None or (check.problem is None and need > check.need_bytes):

@@ -31,22 +31,23 @@ __all__ = ["engine_for"]
 logger = logging.getLogger(__name__)
 
 
-def _propose(profile: Any, offload: str, bandwidths: Any) -> Callable[[Any], Sequence[UnitOption]] | None:
-    tiers = usable_tiers(profile, offload, profile.device)
+def _propose(profile: Any, offload: str, bandwidths: Any,
+             config: Any) -> Callable[[Any], Sequence[UnitOption]] | None:
+    tiers = usable_tiers(profile, offload, profile.device, config)
     if not tiers:
         return None
     if bandwidths is None:
-        try:
-            bandwidths = load_bandwidths(profile.device)
+        try:  # priced for the filesystem the disk tier will write to
+            bandwidths = load_bandwidths(profile.device, config.offload_dir if config is not None else None)
         except Exception as exc:  # noqa: BLE001 - a failed probe only removes offload options
             logger.warning("offload bandwidth probe failed (%s): planning keep/recompute only", exc)
             return None
     return lambda u: offload_options(u, bandwidths, profile.device, tiers=tiers)
 
 
-def _admit(plan: Any) -> bool:
+def _admit(plan: Any, config: Any) -> bool:
     """A plan that writes to disk needs room in the folder (reserved here); no room: plan without disk."""
-    return not any(u.action.endswith("offload_disk") for u in plan.units) or room_for(plan)
+    return not any(u.action.endswith("offload_disk") for u in plan.units) or room_for(plan, config)
 
 
 def engine_for(ctx: ApplyContext, tier: str) -> OffloadEngine:
