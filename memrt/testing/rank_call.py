@@ -7,6 +7,8 @@ store the launcher holds at MASTER_ADDR:MASTER_PORT, runs ``fn(rank, world_size,
 
 from __future__ import annotations
 
+import atexit
+import os
 import pickle
 import sys
 import time
@@ -40,10 +42,19 @@ def main(directory: str) -> int:
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(outcome))
     tmp.replace(out)  # whole or absent: the launcher never reads half a result
-    # gloo's worker threads may still drop tensors; they need the GIL, which interpreter shutdown takes away
-    time.sleep(0.05)
     return code
 
 
+def _exit(code: int) -> None:
+    """Run the exit handlers, then leave without tearing the interpreter down: gloo's worker threads may still
+    be freeing tensors, which needs the GIL that interpreter shutdown takes away (torch then aborts the process
+    after its work is done, and the launcher would count a finished rank as failed)."""
+    time.sleep(0.05)  # let them finish first
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    _exit(main(sys.argv[1]))
