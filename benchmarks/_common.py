@@ -249,8 +249,8 @@ def save_plot(out_dir: str | os.PathLike, name: str, draw: Callable[[Any], None]
 
 # ---------------------------------------------------------------- launching ranks ----
 def launch_on_nodes(argv: Sequence[str], *, nodes: Sequence[Sequence[int]], cluster: Any = None,
-                 env: dict[str, str] | None = None, timeout_s: float = 600.0,
-                 rank_env: Callable[[int], dict[str, str]] | None = None) -> list[tuple[int, str, str]]:
+                    env: dict[str, str] | None = None, timeout_s: float = 600.0,
+                    rank_env: Callable[[int], dict[str, str]] | None = None) -> list[tuple[int, str, str]]:
     """(rc, stdout, stderr) per rank of ``argv`` started on ``nodes`` (rank lists, numbered node by node) by
     :func:`memrt.testing.launch.launch_ranks` (torchrun's variables; ``cluster``: node i in namespace i).
     Raises TimeoutError when the ranks run past ``timeout_s``."""

@@ -82,7 +82,7 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
     if STATE.mpi is not None and tensor.device.type == "cpu":
         mpi_algo = "hier" if algorithm.startswith("hier") else "flat"
         return run_own("all_reduce", tensor, nbytes, mpi_algo + "@mpi", predicted,
-                    lambda: STATE.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor], opn.lower())
+                       lambda: STATE.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor], opn.lower())
     if algorithm.startswith("hier"):
         plug = compressed_inter_hop(algorithm, key, tensor.data_ptr())
         chunk = None
@@ -91,11 +91,11 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
 
             chunk = pipeline_chunk_bytes(algorithm.split("+", 1)[1], nbytes)
         return run_own("all_reduce", tensor, nbytes, algorithm, predicted,
-                    lambda: alg.hierarchical_all_reduce(tensor, opn, STATE.topology, inter_all_reduce=plug,
-                                                        groups=STATE.groups, chunk_bytes=chunk), async_op, [tensor],
-                    opn.lower(), reason)
+                       lambda: alg.hierarchical_all_reduce(tensor, opn, STATE.topology, inter_all_reduce=plug,
+                                                           groups=STATE.groups, chunk_bytes=chunk),
+                       async_op, [tensor], opn.lower(), reason)
     return run_flat("all_reduce", tensor, nbytes,
-                       lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
+                    lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
@@ -109,15 +109,16 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
         check_arguments("broadcast", tensor, STATE.check_group, extra=src)
     if STATE.mpi is not None and tensor.device.type == "cpu":
         return run_own("broadcast", tensor, nbytes, "flat@mpi", None, lambda: STATE.mpi.broadcast(tensor, src),
-                    async_op, [tensor])
+                       async_op, [tensor])
     algorithm, predicted = decide("broadcast", nbytes, tensor.dtype, src=src)
     if algorithm == "off":
         return tdist.broadcast(tensor, src, group, async_op)
     if algorithm == "hier":
         return run_own("broadcast", tensor, nbytes, "hier", predicted,
-                    lambda: alg.hierarchical_broadcast(tensor, src, STATE.topology, groups=STATE.groups), async_op, [tensor])
+                       lambda: alg.hierarchical_broadcast(tensor, src, STATE.topology, groups=STATE.groups),
+                       async_op, [tensor])
     return run_flat("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
-                       predicted)
+                    predicted)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -132,17 +133,19 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         check_arguments("all_gather", input_tensor, STATE.check_group)
     if STATE.mpi is not None and input_tensor.device.type == "cpu":
         return run_own("all_gather", input_tensor, nbytes, "flat@mpi", None,
-                    lambda: STATE.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op, [output_tensor])
+                       lambda: STATE.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op,
+                       [output_tensor])
     algorithm, predicted = decide("all_gather", nbytes, input_tensor.dtype)
     if algorithm == "off":
         return flat_fn(output_tensor, input_tensor, group, async_op)
     if algorithm == "hier" and output_tensor.is_contiguous():
         return run_own("all_gather", input_tensor, nbytes, "hier", predicted,
-                    lambda: alg.hierarchical_all_gather(output_tensor, input_tensor, STATE.topology, groups=STATE.groups),
-                    async_op, [output_tensor])
+                       lambda: alg.hierarchical_all_gather(output_tensor, input_tensor, STATE.topology,
+                                                           groups=STATE.groups),
+                       async_op, [output_tensor])
     return run_flat("all_gather", input_tensor, nbytes,
-                       lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
-                       predicted if algorithm == "flat" else None)
+                    lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
+                    predicted if algorithm == "flat" else None)
 
 
 all_gather_single = all_gather_into_tensor
@@ -159,7 +162,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return tdist.all_gather(tensor_list, tensor, group, async_op)
     if algorithm != "hier" or STATE.mpi is not None:
         return run_flat("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
-                           async_op, predicted if algorithm == "flat" else None)
+                        async_op, predicted if algorithm == "flat" else None)
     if STATE.checks:
         check_arguments("all_gather", tensor, STATE.check_group)
 
@@ -186,16 +189,16 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
         check_arguments("reduce_scatter", input, STATE.check_group, extra=REDUCE_OPS.index(opn))
     if STATE.mpi is not None and input.device.type == "cpu":
         return run_own("reduce_scatter", input, nbytes, "flat@mpi", None,
-                    lambda: STATE.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())
+                       lambda: STATE.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())
     algorithm, predicted = decide("reduce_scatter", nbytes, input.dtype, op)
     if algorithm == "off":
         return flat_fn(output, input, op, group, async_op)
     if algorithm == "hier" and output.is_contiguous():
         return run_own("reduce_scatter", input, nbytes, "hier", predicted,
-                    lambda: alg.hierarchical_reduce_scatter(output, input, opn, STATE.topology, groups=STATE.groups),
-                    async_op, [output], opn.lower())
+                       lambda: alg.hierarchical_reduce_scatter(output, input, opn, STATE.topology, groups=STATE.groups),
+                       async_op, [output], opn.lower())
     return run_flat("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op,
-                       predicted if algorithm == "flat" else None, opn.lower())
+                    predicted if algorithm == "flat" else None, opn.lower())
 
 
 reduce_scatter_single = reduce_scatter_tensor

@@ -200,14 +200,14 @@ class _Work(tdist.Work):
             elif hasattr(inner, "_fut") and hasattr(inner, "get_future"):  # MemrtWork: value = outputs
                 fut = inner.get_future()
             elif hasattr(inner, "_finish") and hasattr(inner, "_work"):  # api's recorded torch Work
-                outputs, finish = self._outputs, inner._finish  
+                outputs, finish = self._outputs, inner._finish
 
                 def done(f: torch.futures.Future) -> list[torch.Tensor]:
                     f.value()
                     finish()
                     return outputs
 
-                fut = inner._work.get_future().then(done)  
+                fut = inner._work.get_future().then(done)
             else:
                 fut = inner.get_future()
             self._fut = fut
@@ -323,7 +323,7 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         from memrt.comm import api
 
         with passthrough():
-            work = api.all_reduce_with(tensors[0], _red(opts.reduceOp), None, True)  
+            work = api.all_reduce_with(tensors[0], _red(opts.reduceOp), None, True)
         return _Work(work, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

@@ -31,14 +31,22 @@ __all__ = ["check_arguments", "compressed_inter_hop", "decide", "on_world", "rec
 logger = logging.getLogger(__name__)
 
 
+def _comm_record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, seconds: float, start: float,
+                 tier: dict[str, int], predicted: float | None, redop: str, reason: str) -> recorder.CommRecord:
+    """The CommRecord of one user call; its size is nccl-tests' (all_gather: the gathered output, ``nbytes`` x
+    ranks)."""
+    world = world_size()
+    return recorder.CommRecord(
+        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes) * (world if op == "all_gather" else 1),
+        group_size=world, algorithm=algorithm, seconds=seconds, tier_bytes=tier, predicted_seconds=predicted,
+        start=start, redop=redop, reason=reason)
+
+
 def record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, start: float, tier: dict[str, int],
            predicted: float | None, redop: str = "", reason: str = "") -> None:
-    """One CommRecord; its size is nccl-tests' (all_gather: the gathered output, ``nbytes`` x ranks)."""
-    world = world_size()
-    recorder.get_recorder().record_comm(recorder.CommRecord(
-        op=op, dtype=str(t.dtype).replace("torch.", ""), nbytes=int(nbytes) * (world if op == "all_gather" else 1),
-        group_size=world, algorithm=algorithm, seconds=time.perf_counter() - start, tier_bytes=tier,
-        predicted_seconds=predicted, start=start, redop=redop, reason=reason))
+    """Record one user call that has completed (timed from ``start`` to now)."""
+    recorder.get_recorder().record_comm(_comm_record(op, t, nbytes, algorithm, time.perf_counter() - start, start,
+                                                     tier, predicted, redop, reason))
 
 
 def world_size() -> int:
@@ -170,11 +178,8 @@ class _CudaTimer:
         end_ev.record(torch.cuda.current_stream(self.device))  # after the call (or wait): joined the comm stream
         if STATE.health is not None and hasattr(STATE.health, "track"):
             STATE.health.track(name, end_ev)
-        recorder.get_recorder().record_comm_pending(recorder.CommRecord(
-            op=name, dtype=str(t.dtype).replace("torch.", ""),
-            nbytes=int(nbytes) * (world_size() if name == "all_gather" else 1), group_size=world_size(),
-            algorithm="flat", seconds=0.0, tier_bytes=tier, predicted_seconds=predicted, start=start, redop=redop,
-            reason=reason), self.start_ev, end_ev)
+        pending = _comm_record(name, t, nbytes, "flat", 0.0, start, tier, predicted, redop, reason)
+        recorder.get_recorder().record_comm_pending(pending, self.start_ev, end_ev)
 
 
 def check_arguments(op: str, tensor: torch.Tensor, group: Any, *, extra: int = 0) -> None:

@@ -166,13 +166,8 @@ def comm_mode(mode: str):
     """Calls inside ``with comm_mode(mode):`` choose as under ``MEMRT_COMM=mode`` (auto, flat, hier or off),
     e.g. to time one algorithm against another in one process. Every rank must enter it around the same
     calls (the choice must agree across ranks). Needs memrt.comm's process group (groups are made at init)."""
-    ensure()
-    saved = STATE.config
-    STATE.config = dataclasses.replace(saved, comm=mode)  # an unknown mode: ConfigError naming MEMRT_COMM
-    try:
+    with override(comm=mode):  # an unknown mode: ConfigError naming MEMRT_COMM
         yield
-    finally:
-        STATE.config = saved
 
 
 def destroy_process_group(group: Any = None) -> None:

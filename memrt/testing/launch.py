@@ -80,8 +80,7 @@ def launch_ranks(argv: Sequence[str], *, ranks_per_node: Sequence[int], cluster:
         raise ValueError(f"ranks_per_node={ranks_per_node!r}: the emulated cluster has {len(cluster.nodes)} nodes")
     world = sum(per_node)
     addr = cluster.addrs[0] if cluster is not None else "127.0.0.1"
-    # OS entropy for the namespaces' port: the user's `random` stays untouched
-    if port is None:
+    if port is None:  # namespaces: a port from OS entropy (the user's `random` stays untouched)
         port = random.SystemRandom().randint(20000, 40000) if cluster is not None else free_port(addr)
     argv = [sys.executable if a == "python" else a for a in argv]
     procs: list[tuple[int, int, subprocess.Popen, Path, Path]] = []
