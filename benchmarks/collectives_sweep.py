@@ -17,15 +17,21 @@ each direction divided by the link rate (all_reduce: size; all_gather: size/2; r
 broadcast: size), and ``%bound`` = bound / time. Ratios are against ``gloo`` measured in the same run.
 
 ``auto vs best`` (per op and size): memrt-auto's time against the better of flat and hier, the algorithm
-auto chose (from its comm log), a ``SLOWER`` flag where auto is more than 5% slower than that best
-(AUTO_SLACK) and ``WRONG CHOICE`` where the algorithm auto chose is. From the ``memrt-check`` arm: flat, hier
-and auto in one process, alternating round by round (``memrt.comm.comm_mode``), medians of the rounds, so
-the three see the same machine (separate runs of a few-millisecond call differ by tens of percent on a
-shared machine); without it, from the memrt-flat, memrt-hier and memrt-auto arms.
+auto chose (from its comm log), the cost model's two predictions, a ``SLOWER`` flag where auto is more than
+5% slower than that best (AUTO_SLACK) and ``WRONG CHOICE`` where the algorithm auto chose is. From the
+``memrt-check`` arm: flat, hier and auto in one process, in rounds that cycle through every order of the
+three (``memrt.comm.comm_mode``); times = medians of the rounds, auto/best = the median of the rounds'
+ratios auto / best algorithm (paired in time) with its 95% confidence interval, so the three see the same
+machine (separate runs of a few-millisecond call differ by tens of percent on a shared machine). The last
+line counts the points where that interval shows auto within 5% of the best, shows it slower, or cannot
+tell. auto's warm-up includes the timed trials it runs once per job and size class where the cost model
+cannot tell flat and hier apart (:mod:`memrt.comm.measured_pick`). Without that arm, from the memrt-flat,
+memrt-hier and memrt-auto arms.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -132,25 +138,30 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
 
 
 CHECK_MODES = ("flat", "hier", "auto")
+ORDERS = list(itertools.permutations(CHECK_MODES))
+"""The rounds cycle through every order, so each mode follows each other mode equally often."""
 
 
 def _check_rounds(size: int, quick: bool) -> tuple[int, int]:
     """(rounds, calls per round) of the interleaved auto check at ``size``."""
     if quick:
         return 3, 2
-    return (3, 1) if size >= 16 * 2**20 else (5, 2) if size >= 2**20 else (21, 5)
+    return (6, 1) if size >= 16 * 2**20 else (12, 2) if size >= 2**20 else (42, 20)
 
 
 def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
     """memrt-check: per (op, size), flat, hier and auto in one process, interleaved round by round (the order
-    rotates each round), so that all three see the same machine; per mode the median of the rounds' mean
-    call times (slowest rank)."""
+    cycles through every order), so that all three see the same machine; per mode the rounds' mean call times
+    (slowest rank) and their median, and the cost model's reason for auto's pick."""
     import statistics
 
     import torch
     import torch.distributed as tdist
 
     import memrt.comm as dist
+    from memrt.comm.measured_pick import TRIALS
+    from memrt.comm.select import choose
+    from memrt.comm.setup import STATE
     from memrt.profiling.recorder import get_recorder
 
     torch.set_num_threads(1)
@@ -162,14 +173,21 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
         for size in sizes:
             numel, call = _torch_call(dist, op, size, n)
             rounds, calls = _check_rounds(size, quick)
+            # the cost model's predictions behind auto's pick (the user's bytes: all_gather's input block)
+            user_bytes = numel * 4 // n if op == "all_gather" else numel * 4
+            predicted = choose(op, user_bytes, torch.float32, STATE.topology, STATE.config,
+                               backend=str(tdist.get_backend())).candidates
             times: dict[str, list[float]] = {m: [] for m in CHECK_MODES}
             chosen: set[str] = set()
-            for mode in CHECK_MODES:  # warm-up of each path
+            for mode in CHECK_MODES:  # warm-up of each path; auto's includes its trials where it times them
                 with dist.comm_mode(mode):
                     call()
+                    for _ in range(2 * (TRIALS + 1)):
+                        if mode != "auto" or STATE.picks.settled(op, user_bytes):
+                            break
+                        call()
             for rnd in range(rounds):
-                for k in range(len(CHECK_MODES)):
-                    mode = CHECK_MODES[(rnd + k) % len(CHECK_MODES)]
+                for mode in ORDERS[rnd % len(ORDERS)]:
                     with dist.comm_mode(mode):
                         seen = len(log)
                         tdist.barrier()
@@ -184,7 +202,8 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
             for mode in CHECK_MODES:
                 rows.append({"op": op, "size": numel * 4, "mode": mode, "time_s": statistics.median(times[mode]),
                              "rounds": rounds, "calls": calls, "times_s": times[mode],
-                             "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode})
+                             "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode,
+                             "predicted_s": predicted if mode == "auto" else None})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"impl": "memrt-check", "world": n, "rows": rows}), flush=True)
     dist.destroy_process_group()
@@ -334,7 +353,8 @@ def auto_check(res: dict[str, Any], op: str) -> list[dict[str, Any]]:
     """Per size: memrt-auto's time vs the better of flat and hier; ``slower`` when auto takes more than
     AUTO_SLACK x that best, ``wrong`` when auto chose the other algorithm and that one takes more than
     AUTO_SLACK x the best. From the interleaved memrt-check arm when it ran (one process, the three modes
-    alternating), else from the separate memrt-flat, memrt-hier and memrt-auto runs."""
+    alternating; auto/best is the median of the rounds' paired ratios), else from the separate memrt-flat,
+    memrt-hier and memrt-auto runs."""
     r = res.get("results", {})
     by: dict[int, dict[str, dict[str, Any]]] = {}
     if "memrt-check" in r:
@@ -356,19 +376,47 @@ def auto_check(res: dict[str, Any], op: str) -> list[dict[str, Any]]:
         if not all(m in modes for m in ("flat", "hier", "auto")):
             continue
         flat, hier, auto = modes["flat"]["time_s"], modes["hier"]["time_s"], modes["auto"]
+        best_mode = "flat" if flat <= hier else "hier"
         best = min(flat, hier)
         chose = auto.get("algorithm")
         chose_s = {"flat": flat, "hier": hier}.get(chose or "")
+        ratio, low, high = _paired_ratio(auto, modes[best_mode])
         out.append({"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
-                    "best": "flat" if flat <= hier else "hier", "auto_chose": chose, "source": source,
-                    "auto_over_best": auto["time_s"] / best, "slower": auto["time_s"] > AUTO_SLACK * best,
+                    "best": best_mode, "auto_chose": chose, "source": source,
+                    "predicted_s": auto.get("predicted_s"), "auto_over_best": ratio,
+                    "auto_over_best_ci95": [low, high], "slower": ratio > AUTO_SLACK,
+                    "shown_within": high <= AUTO_SLACK, "shown_slower": low > AUTO_SLACK,
                     "wrong": chose_s is not None and chose_s > AUTO_SLACK * best})
     return out
 
 
+def _paired_ratio(auto: dict[str, Any], best: dict[str, Any]) -> tuple[float, float, float]:
+    """auto's time over the best algorithm's, with a 95% confidence interval: the median of the per-round
+    ratios when both were timed in the same interleaved rounds (a slow moment of the machine hits both halves
+    of a pair) and the distribution-free interval of a median (order statistics k and n+1-k, k = n/2 - 1.96
+    sqrt(n)/2); else the ratio of the two times (interval: that ratio)."""
+    import math
+    import statistics
+
+    a, b = auto.get("times_s"), best.get("times_s")
+    if a and b and len(a) == len(b):
+        ratios = sorted(x / y for x, y in zip(a, b))
+        n = len(ratios)
+        k = max(1, math.floor(n / 2 - 1.96 * math.sqrt(n) / 2))
+        return statistics.median(ratios), ratios[k - 1], ratios[n - k]
+    r = auto["time_s"] / best["time_s"]
+    return r, r, r
+
+
+def _predicted(c: dict[str, Any]) -> str:
+    p = c.get("predicted_s") or {}
+    return " / ".join(f"{p[a] * 1e6:.0f}" if a in p else "-" for a in ("flat", "hier"))
+
+
 def _auto_rows(checks: list[dict[str, Any]]) -> list[list[str]]:
     return [[f"{c['size']}", f"{c['auto_s'] * 1e6:.1f}", c["auto_chose"] or "-", f"{c['flat_s'] * 1e6:.1f}",
-             f"{c['hier_s'] * 1e6:.1f}", c["best"], f"{c['auto_over_best']:.3f}",
+             f"{c['hier_s'] * 1e6:.1f}", c["best"], _predicted(c), f"{c['auto_over_best']:.3f}",
+             "{:.3f}-{:.3f}".format(*c["auto_over_best_ci95"]),
              ", ".join(w for w, on in ((f"SLOWER (> {AUTO_SLACK:.2f}x best)", c["slower"]),
                                        ("WRONG CHOICE", c.get("wrong"))) if on) or "ok"] for c in checks]
 
@@ -411,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             checks = auto_check(res, op)
             res["auto_check"].extend(checks)
             if checks:
-                print_table(["size (B)", "auto (us)", "auto chose", "flat (us)", "hier (us)", "best", "auto/best",
-                             "check"], _auto_rows(checks),
+                print_table(["size (B)", "auto (us)", "auto chose", "flat (us)", "hier (us)", "best",
+                             "predicted flat / hier (us)", "auto/best", "95% CI", "check"], _auto_rows(checks),
                             title=f"{op} | {net} | memrt-auto vs the better of flat and hier ({checks[0]['source']})")
         slow = [c for c in res["auto_check"] if c["slower"]]
         wrong = [c for c in res["auto_check"] if c["wrong"]]
@@ -424,6 +472,13 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; chose an algorithm more than {AUTO_SLACK:.2f}x the better one at {len(wrong)}"
                   + (": " + ", ".join(f"{c['op']} {c['size']} B ({c['auto_chose']})" for c in wrong)
                      if wrong else ""), flush=True)
+            within = [c for c in res["auto_check"] if c["shown_within"]]
+            above = [c for c in res["auto_check"] if c["shown_slower"]]
+            print(f"# {net}: with 95% confidence, auto within {AUTO_SLACK:.2f}x the better algorithm at {len(within)} "
+                  f"of {len(res['auto_check'])} points, more than {AUTO_SLACK:.2f}x at {len(above)}"
+                  + (": " + ", ".join(f"{c['op']} {c['size']} B" for c in above) if above else "")
+                  + f", not resolved by the rounds at {len(res['auto_check']) - len(within) - len(above)}",
+                  flush=True)
     write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out,
                                                "failed": failures()})
     save_plot(args.out, "collectives_sweep", _plot(out, ops))

@@ -12,6 +12,7 @@ Set-up and teardown live in :mod:`memrt.comm.setup`, how one call runs (choice, 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ import torch.distributed as tdist
 
 from memrt.comm import fusion
 from memrt.comm import hierarchical as alg
-from memrt.comm.dispatch import check_arguments, compressed_inter_hop, decide, on_world, run_flat, run_own
+from memrt.comm.dispatch import (Choice, check_arguments, compressed_inter_hop, decide, end_trial, on_world, run_flat,
+                                 run_own)
 from memrt.comm.reduction import REDUCE_OPS, op_name
 from memrt.comm.setup import (STATE, comm_mode, destroy_process_group, ensure, get_topology, init_process_group,
                               let_backend_threads_finish, prepare, set_checks, settings, setup_topology,
@@ -69,7 +71,7 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
     nbytes = tensor.numel() * tensor.element_size()
     if STATE.checks:
         check_arguments("all_reduce", tensor, STATE.check_group, extra=REDUCE_OPS.index(opn))
-    algorithm, predicted = decide("all_reduce", nbytes, tensor.dtype, op)
+    algorithm, predicted, _, _ = decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
     reason = ""
@@ -110,15 +112,18 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     if STATE.mpi is not None and tensor.device.type == "cpu":
         return run_own("broadcast", tensor, nbytes, "flat@mpi", None, lambda: STATE.mpi.broadcast(tensor, src),
                        async_op, [tensor])
-    algorithm, predicted = decide("broadcast", nbytes, tensor.dtype, src=src)
-    if algorithm == "off":
+    choice = decide("broadcast", nbytes, tensor.dtype, src=src)
+    if choice.algorithm == "off":
         return tdist.broadcast(tensor, src, group, async_op)
-    if algorithm == "hier":
-        return run_own("broadcast", tensor, nbytes, "hier", predicted,
+    start = time.perf_counter()
+    if choice.algorithm == "hier":
+        work = run_own("broadcast", tensor, nbytes, "hier", choice.predicted,
                        lambda: alg.hierarchical_broadcast(tensor, src, STATE.topology, groups=STATE.groups),
-                       async_op, [tensor])
-    return run_flat("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
-                    predicted)
+                       async_op, [tensor], reason=choice.reason)
+    else:
+        work = run_flat("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
+                        choice.predicted, reason=choice.reason)
+    return end_trial(choice, start, work)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -135,17 +140,22 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         return run_own("all_gather", input_tensor, nbytes, "flat@mpi", None,
                        lambda: STATE.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op,
                        [output_tensor])
-    algorithm, predicted = decide("all_gather", nbytes, input_tensor.dtype)
-    if algorithm == "off":
+    # memrt's path writes a contiguous output in place; any other output takes torch's call
+    choice = (decide("all_gather", nbytes, input_tensor.dtype) if output_tensor.is_contiguous()
+              else Choice("flat", None))
+    if choice.algorithm == "off":
         return flat_fn(output_tensor, input_tensor, group, async_op)
-    if algorithm == "hier" and output_tensor.is_contiguous():
-        return run_own("all_gather", input_tensor, nbytes, "hier", predicted,
+    start = time.perf_counter()
+    if choice.algorithm == "hier":
+        work = run_own("all_gather", input_tensor, nbytes, "hier", choice.predicted,
                        lambda: alg.hierarchical_all_gather(output_tensor, input_tensor, STATE.topology,
                                                            groups=STATE.groups),
-                       async_op, [output_tensor])
-    return run_flat("all_gather", input_tensor, nbytes,
-                    lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
-                    predicted if algorithm == "flat" else None)
+                       async_op, [output_tensor], reason=choice.reason)
+    else:
+        work = run_flat("all_gather", input_tensor, nbytes,
+                        lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
+                        choice.predicted if choice.algorithm == "flat" else None, reason=choice.reason)
+    return end_trial(choice, start, work)
 
 
 all_gather_single = all_gather_into_tensor
@@ -157,12 +167,14 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return tdist.all_gather(tensor_list, tensor, group, async_op)
     ensure(tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
-    algorithm, predicted = decide("all_gather", nbytes, tensor.dtype)
-    if algorithm == "off":
+    choice = decide("all_gather", nbytes, tensor.dtype) if STATE.mpi is None else Choice("flat", None)
+    if choice.algorithm == "off":
         return tdist.all_gather(tensor_list, tensor, group, async_op)
-    if algorithm != "hier" or STATE.mpi is not None:
-        return run_flat("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
-                        async_op, predicted if algorithm == "flat" else None)
+    start = time.perf_counter()
+    if choice.algorithm != "hier":
+        work = run_flat("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
+                        async_op, choice.predicted, reason=choice.reason)
+        return end_trial(choice, start, work)
     if STATE.checks:
         check_arguments("all_gather", tensor, STATE.check_group)
 
@@ -172,7 +184,9 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         for i, t in enumerate(tensor_list):
             t.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view(tensor.shape))
 
-    return run_own("all_gather", tensor, nbytes, "hier", predicted, fn, async_op, list(tensor_list))
+    work = run_own("all_gather", tensor, nbytes, "hier", choice.predicted, fn, async_op, list(tensor_list),
+                   reason=choice.reason)
+    return end_trial(choice, start, work)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = tdist.ReduceOp.SUM,  # noqa: A002
@@ -190,7 +204,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     if STATE.mpi is not None and input.device.type == "cpu":
         return run_own("reduce_scatter", input, nbytes, "flat@mpi", None,
                        lambda: STATE.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())
-    algorithm, predicted = decide("reduce_scatter", nbytes, input.dtype, op)
+    algorithm, predicted, _, _ = decide("reduce_scatter", nbytes, input.dtype, op)
     if algorithm == "off":
         return flat_fn(output, input, op, group, async_op)
     if algorithm == "hier" and output.is_contiguous():

@@ -38,7 +38,7 @@ from memrt.comm.routing import busy as _busy, inside_internal_groups, internal_g
 from memrt.comm.reduction import REDUCE_OPS
 
 __all__ = ["BACKEND_NAME", "MemrtProcessGroup", "register", "internal_groups", "passthrough", "inner_spec",
-           "set_inner_spec", "is_memrt_group", "default_is_memrt", "ensure_topology", "activation_kwargs"]
+           "set_inner_spec", "spec_for", "is_memrt_group", "default_is_memrt", "ensure_topology", "activation_kwargs"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,13 @@ def inner_spec() -> dict[str, str]:
 
 
 def set_inner_spec(backend: str | None) -> None:
+    """The real backend(s) under memrt groups created from now on (:func:`spec_for`)."""
+    spec = spec_for(backend)
+    _inner.clear()
+    _inner.update(spec)
+
+
+def spec_for(backend: str | None) -> dict[str, str]:
     """The real backend(s) under memrt groups, from what the script asked ``init_process_group`` for.
 
     ``None`` / ``"gloo"``: gloo for CPU tensors, plus NCCL for CUDA tensors when CUDA is available with
@@ -81,8 +88,7 @@ def set_inner_spec(backend: str | None) -> None:
     bad = {d: n for d, n in spec.items() if n not in ("gloo", "nccl")}
     if bad:
         raise ValueError(f"backend={backend!r}: {bad} is not supported under memrt (gloo or nccl per device)")
-    _inner.clear()
-    _inner.update(spec)
+    return spec
 
 
 def _real_backend(name: str, store: Any, rank: int, size: int, timeout: Any, ranks: list[int], group: str) -> Any:
@@ -99,13 +105,26 @@ def _real_backend(name: str, store: Any, rank: int, size: int, timeout: Any, ran
     return tdist.ProcessGroupNCCL(store, rank, size, opts)
 
 
+def _device_store(store: Any, device: str) -> Any:
+    """The store keys of ``device``'s real backend: the ones torch gives that backend in a stock group.
+
+    torch hands a backend's creator its group's store under the prefix of the backend's first device
+    (``<group>/cpu/``) and gives every other device's backend ``<group>/<device>/``: the key space is
+    rebuilt from the group's store under each device's own prefix. memrt's real backends
+    use the same keys, so a memrt rank and a rank running torch's own backend (started without ``MEMRT``)
+    still connect in ``init_process_group`` and the start-up agreement can name the odd rank out."""
+    if not isinstance(store, tdist.PrefixStore):  # a group built by hand on a plain store
+        return tdist.PrefixStore(f"{device}/", store)
+    return tdist.PrefixStore(f"{device}/", store.underlying_store)
+
+
 def _create(dist_opts: Any, backend_options: Any) -> Any:
     """``Backend.register_backend`` creator (extended API): a memrt group, or a real one inside memrt."""
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     ranks = list(dist_opts.global_ranks_in_group)
     name = dist_opts.group_id
     if inside_internal_groups():  # memrt's own tier groups: a plain real backend (CPU side)
-        return _real_backend(_inner.get("cpu", "gloo"), tdist.PrefixStore("cpu/", store), rank, size,
+        return _real_backend(_inner.get("cpu", "gloo"), _device_store(store, "cpu"), rank, size,
                              dist_opts.timeout, ranks, name)
     return MemrtProcessGroup(store, rank, size, dist_opts.timeout, global_ranks=ranks, group_name=name)
 
@@ -128,10 +147,13 @@ def default_is_memrt() -> bool:
     return tdist.is_initialized() and is_memrt_group(tdist.distributed_c10d._get_default_group())
 
 
-def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str) -> tuple[tuple, dict[str, Any], bool]:
+def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str,
+                      when: str = "on") -> tuple[tuple, dict[str, Any], bool]:
     """``init_process_group``'s arguments with the backend switched to memrt when it can carry the job.
 
-    Not switched: ``MEMRT_COMM=off``, an MPI / UCC / custom backend, or backend-specific ``pg_options``.
+    Not switched: ``MEMRT_COMM=off``, an MPI / UCC / custom backend, or backend-specific ``pg_options``;
+    with ``when="auto"`` (MEMRT_PROCESS_GROUP's default) also not a job whose CUDA tensors would run on
+    NCCL: memrt's own tier groups under its process group are gloo, and that path has not run on a GPU.
     Returns ``(args, kwargs, switched)``.
     """
     backend = args[0] if args else kwargs.get("backend")
@@ -140,6 +162,9 @@ def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str) -> tu
         return args, kwargs, False
     if name is not None and name not in ("gloo", "nccl", "undefined") and \
             not all(p.split(":")[-1].strip() in ("gloo", "nccl") for p in name.split(",")):
+        return args, kwargs, False
+    spec = spec_for(name)
+    if when == "auto" and spec.get("cuda") == "nccl":
         return args, kwargs, False
     set_inner_spec(name)
     register()
@@ -270,7 +295,7 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         kinds: dict[str, Any] = {}
         for device, name in _inner.items():
             if name not in kinds:
-                kinds[name] = _real_backend(name, tdist.PrefixStore(f"{device}/", store), rank, size, timeout,
+                kinds[name] = _real_backend(name, _device_store(store, device), rank, size, timeout,
                                             list(global_ranks), group_name)
             self._inner[device] = kinds[name]
         for device, be in self._inner.items():

@@ -12,20 +12,20 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as tdist
 
 from memrt.comm import events, streams
 from memrt.comm.health import check_signatures
-from memrt.comm.routing import passthrough
+from memrt.comm.routing import passthrough, real_backend_name
 from memrt.comm.select import choose, tier_bytes
 from memrt.comm.setup import STATE
 from memrt.comm.work import MemrtWork, RecordedWork, raise_diagnosed
 from memrt.profiling import recorder
 
-__all__ = ["check_arguments", "compressed_inter_hop", "decide", "on_world", "record", "run_flat", "run_own",
+__all__ = ["Choice", "check_arguments", "compressed_inter_hop", "decide", "end_trial", "on_world", "record", "run_flat", "run_own",
            "sent_per_tier", "world_size"]
 
 logger = logging.getLogger(__name__)
@@ -60,18 +60,47 @@ def sent_per_tier(op: str, algorithm: str, nbytes: int, element_size: int) -> di
     return tier_bytes(algorithm, nbytes, topo.nodes, topo.rank, element_size, op=op)
 
 
-def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0) -> tuple[str, float | None]:
-    """(algorithm, predicted seconds) for one call: memrt.comm.select.choose, the cost model's pick."""
+class Choice(NamedTuple):
+    algorithm: str
+    predicted: float | None
+    trial: tuple | None = None
+    """Set on a timed trial call (:mod:`memrt.comm.measured_pick`): run it to completion, then :func:`end_trial`."""
+    reason: str = ""
+
+
+def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0) -> Choice:
+    """The algorithm for one call: memrt.comm.select.choose, the cost model's pick; for all_gather and broadcast
+    under ``auto``, where the model's two predictions are close, the measured pick (trials first)."""
     cfg, topo = STATE.config, STATE.topology
     if cfg.comm == "off":
-        return "off", None
+        return Choice("off", None)
     if not topo.hierarchical_useful or STATE.groups is None:
-        return "flat", None
+        return Choice("flat", None)
     # compression is asked per call (the DDP hook under MEMRT_COMPRESS, compress=), never by the config alone
-    d = choose(op, nbytes, dtype, topo, _exact_config(cfg), reduce_op=reduce_op, backend=str(tdist.get_backend()),
+    d = choose(op, nbytes, dtype, topo, _exact_config(cfg), reduce_op=reduce_op, backend=real_backend_name(),
                src=src)
     logger.debug("%s %d B: %s (%s)", op, nbytes, d.algorithm, d.reason)
-    return d.algorithm, d.predicted_seconds
+    if cfg.comm != "auto":
+        return Choice(d.algorithm, d.predicted_seconds)
+    algorithm, trial = STATE.picks.choose(op, nbytes, d.candidates, d.algorithm, src=src)
+    reason = "measured pick: timed trial" if trial is not None else STATE.picks.reason(op, nbytes, src)
+    return Choice(algorithm, d.candidates.get(algorithm, d.predicted_seconds), trial, reason)
+
+
+def end_trial(choice: Choice, start: float, work: Any) -> Any:
+    """After a trial call: wait for it, report its time; the last trial of its size class settles the pick
+    with the other ranks (the same call on every rank). Returns ``work`` (complete)."""
+    if choice.trial is None:
+        return work
+    if work is not None:
+        work.wait()
+    picks = STATE.picks
+    picks.add(choice.trial, choice.algorithm, time.perf_counter() - start)
+    if picks.pending(choice.trial):  # the hang watchdog covers the exchange as it covers a collective
+        with STATE.health.inside(choice.trial[0]) if STATE.health is not None else contextlib.nullcontext():
+            picks.settle(choice.trial, tdist.distributed_c10d._get_default_store(), STATE.topology.rank,
+                         STATE.topology.world_size)
+    return work
 
 
 _exact_cfg: list[Any] = [None, None]

@@ -13,7 +13,7 @@ import contextlib
 import threading
 from typing import Iterator
 
-__all__ = ["busy", "inside_internal_groups", "internal_groups", "passthrough"]
+__all__ = ["busy", "inside_internal_groups", "internal_groups", "passthrough", "real_backend_name"]
 
 _local = threading.local()
 
@@ -46,3 +46,15 @@ def busy() -> bool:
 def inside_internal_groups() -> bool:
     """Whether this thread is inside :func:`internal_groups`."""
     return getattr(_local, "internal", 0) > 0
+
+
+def real_backend_name(device_type: str = "cpu") -> str:
+    """The backend that runs the default group's collectives on ``device_type`` tensors: torch's backend name,
+    or under memrt's process group the real backend it owns for that device ("gloo", "nccl")."""
+    import torch.distributed as dist
+
+    inner = getattr(dist.distributed_c10d._get_default_group(), "inner_backends", None)
+    if callable(inner):
+        backends = inner()
+        return backends.get(device_type, backends.get("cpu", ""))
+    return str(dist.get_backend())

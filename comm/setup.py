@@ -20,6 +20,7 @@ import torch.distributed as tdist
 from memrt.agreement import check_or_exit as check_settings_agree
 from memrt.comm import events, streams
 from memrt.comm.health import HealthMonitor
+from memrt.comm.measured_pick import MeasuredPicks
 from memrt.comm.tiers import HierGroups, clear_group_cache, torch_groups
 from memrt.comm.topology import Topology, discover
 from memrt.config import MemrtConfig, load_config
@@ -50,11 +51,14 @@ class CommState:
     """set-up's arguments while discovery waits for the first memrt collective (NCCL: after set_device)."""
     warmed: list = field(default_factory=list)
     """Member ranks of each group warmed at set-up, in order."""
+    picks: MeasuredPicks = field(default_factory=MeasuredPicks)
+    """all_gather / broadcast algorithms picked by timing where the cost model's predictions tie."""
 
 
 STATE = CommState()
 
 _COLLECTIVES: list[Any] = [None]
+_SETUPS = [0]
 
 
 def use_collectives(module: Any) -> None:
@@ -125,6 +129,8 @@ def _setup_topology(*, mpi_job: bool, intra_backend: str | None, health: bool, d
                     config: MemrtConfig) -> Topology:
     STATE.deferred = None
     STATE.config = config
+    _SETUPS[0] += 1  # the same count on every rank: a fresh key space in the store for this set-up's picks
+    STATE.picks = MeasuredPicks(generation=_SETUPS[0])
     topo = discover(override=config.topology)
     STATE.topology = topo
     if topo.hierarchical_useful or STATE.config.comm == "hier":

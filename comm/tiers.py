@@ -130,12 +130,12 @@ def build_groups(topology: Topology, make: Callable[[tuple[int, ...]], Tier | No
 
 
 def _shm_eligible(topology: Topology) -> bool:
-    """Every node on one host (by discovered host name) and a gloo default backend: same on every rank."""
-    import torch.distributed as dist
-
+    """Every node on one host (by discovered host name) and gloo under CPU tensors (the default backend, or the
+    real backend under memrt's process group): same on every rank."""
+    from memrt.comm.routing import real_backend_name
     from memrt.comm.shm import shm_available
 
-    if not topology.hosts or "gloo" not in str(dist.get_backend()).lower() or not shm_available():
+    if not topology.hosts or "gloo" not in real_backend_name("cpu").lower() or not shm_available():
         return False
     return all(len({topology.hosts[r].split("|")[0] for r in node}) == 1 for node in topology.nodes)
 

@@ -183,6 +183,9 @@ def _connects_at_init(backend: str, pg: Any) -> bool:
     """True when init_process_group connected every rank before it returned."""
     env = environ()
     backend = backend.lower()
+    inner = getattr(pg, "inner_backends", None)  # memrt's process group: the real backends it owns connect
+    if callable(inner):
+        backend = ",".join(inner().values())
     if "mpi" in backend:
         return True
     if "gloo" in backend and env.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() not in ("1", "true"):

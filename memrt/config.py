@@ -220,6 +220,16 @@ def _choice(choices: tuple[str, ...]):
     return parse
 
 
+def _auto_or_bool(name: str, raw: str) -> str:
+    """``auto``, or a boolean as ``on`` / ``off``."""
+    v = str(raw).strip().lower()
+    if v == "auto":
+        return v
+    if v in _TRUE or v in _FALSE:
+        return "on" if v in _TRUE else "off"
+    raise ConfigError(name, raw, "auto or " + _BOOL_FORMS)
+
+
 def _path(name: str, raw: str) -> str:
     v = str(raw).strip()
     if not v or "\x00" in v:
@@ -254,10 +264,11 @@ class MemrtConfig:
     """MEMRT_STRICT: raise instead of warning-and-continue when activation fails."""
     balance: str = "auto"
     """MEMRT_BALANCE: auto|on|off — speed-weighted shares of each global batch in DDP jobs (memrt.balance.auto)."""
-    process_group: bool = False
-    """MEMRT_PROCESS_GROUP: under MEMRT=1, run the job's gloo/nccl process group as memrt's own (every
-    collective of DDP without a hook, FSDP2, DeviceMesh and plain calls through memrt.comm). Default off: a rank
-    started without MEMRT would wait in init_process_group for peers it cannot pair with."""
+    process_group: str = "auto"
+    """MEMRT_PROCESS_GROUP: auto|on|off (or a boolean) — under MEMRT=1, run the job's gloo/nccl process group as
+    memrt's own (every collective of DDP without a hook, FSDP2, DeviceMesh and plain calls through memrt.comm).
+    auto: on unless the job's CUDA tensors would run on NCCL (that path awaits a GPU run); off keeps torch's own
+    group (memrt then reaches DDP through its comm hook only)."""
     cache_dir: str = field(default_factory=lambda: cache_dir())
     """Where memrt keeps what it measured once per machine (link and copy bandwidths): ``$XDG_CACHE_HOME/memrt``,
     else ``~/.cache/memrt``. Not a MEMRT_* variable: read from the environment with the settings."""
@@ -330,7 +341,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_LOG_LEVEL", "log_level", _choice(LOG_LEVELS)),
     Setting("MEMRT_STRICT", "strict", parse_bool),
     Setting("MEMRT_BALANCE", "balance", _choice(BALANCE_CHOICES), agree=True),
-    Setting("MEMRT_PROCESS_GROUP", "process_group", parse_bool, agree=True),
+    Setting("MEMRT_PROCESS_GROUP", "process_group", _auto_or_bool, agree=True),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
 its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""

@@ -171,3 +171,44 @@ def everything_else(rank: int, world: int) -> dict[str, list[str] | str]:
     """One process group for: other collectives, DDP bitwise, the mismatch check (in that order)."""
     return {"collectives": other_collectives(rank, world), "ddp": ddp_bitwise(rank, world),
             "mismatch": mismatch(rank, world)}
+
+
+def measured_picks(rank: int, world: int) -> dict:
+    """all_gather and broadcast with every size a tie for the cost model: the trials run flat then hier,
+    every result equals torch.distributed's, then each size class keeps one algorithm, the same on every rank."""
+    import torch.distributed as tdist
+
+    import memrt.comm as dist
+    from memrt.comm import measured_pick
+    from memrt.comm.setup import STATE
+    from memrt.profiling.recorder import get_recorder
+
+    measured_pick.TIE_RATIO = float("inf")  # every prediction pair is a tie
+    dist.setup_topology()
+    fails: list[str] = []
+    sequences: dict[str, list[str]] = {}
+    calls = 2 * (measured_pick.TRIALS + 1) + 3
+    for numel in (3, 30011):
+        x = torch.arange(numel, dtype=torch.float32) + 1000 * rank
+        want = torch.cat([torch.arange(numel, dtype=torch.float32) + 1000 * r for r in range(world)])
+        seen = len(get_recorder().comm)
+        for i in range(calls):
+            out = torch.full((world * numel,), float("nan"))
+            work = dist.all_gather_into_tensor(out, x, async_op=bool(i % 2))
+            if work is not None:
+                work.wait()
+            if not torch.equal(out, want):
+                fails.append(f"all_gather {numel} call {i}")
+        sequences[f"all_gather {numel}"] = [r.algorithm for r in get_recorder().comm[seen:]]
+        seen = len(get_recorder().comm)
+        for i in range(calls):
+            a = x.clone()
+            b = x.clone()
+            dist.broadcast(a, src=3)
+            tdist.broadcast(b, src=3)
+            if not torch.equal(a, b):
+                fails.append(f"broadcast {numel} call {i}")
+        sequences[f"broadcast {numel}"] = [r.algorithm for r in get_recorder().comm[seen:] if r.op == "broadcast"]
+    picks = {f"{k[0]} {k[1]} src={k[2]}": v[0] for k, v in STATE.picks.decided().items()}
+    reasons = sorted({v[1] for v in STATE.picks.decided().values()})
+    return {"fails": fails, "sequences": sequences, "picks": picks, "reasons": reasons}

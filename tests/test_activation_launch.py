@@ -206,14 +206,15 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def test_memrt_failing_inside_the_hook_lets_the_job_finish(reference, tmp_path):
+@pytest.mark.parametrize("process_group", ["1", "0"])
+def test_memrt_failing_inside_the_hook_lets_the_job_finish(reference, tmp_path, process_group):
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(_INJECT)
     port = str(free_port())
     procs = []
     for rank in range(2):  # torchrun's environment, without its agent
-        env = _env(MEMRT="1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+        env = _env(MEMRT="1", MEMRT_PROCESS_GROUP=process_group, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(inject))
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--steps", str(STEPS), "--out", "params.pt"],
                                       env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -233,4 +234,8 @@ def test_memrt_failing_inside_the_hook_lets_the_job_finish(reference, tmp_path):
     reports = _reports(tmp_path)
     models = [rep["meta"]["activation"]["models"][0] for rep in reports]
     assert models[0]["memory"].startswith("planned") and models[1]["memory"] != models[0]["memory"]
-    assert "not on every rank" in models[0]["comm_hook"], "rank 1 stepped aside, so no rank may use the hook"
+    if process_group == "1":  # memrt's group carries DDP on both ranks whatever rank 1's plan did; no hook anywhere
+        assert models[0]["comm_hook"] == "memrt.comm process group (no hook needed)", models
+        assert not any(m["comm_hook"].startswith("memrt.comm (") for m in models), models
+    else:
+        assert "not on every rank" in models[0]["comm_hook"], "rank 1 stepped aside, so no rank may use the hook"

@@ -86,8 +86,8 @@ def test_plain_calls_functional_collectives_and_mesh_groups():
 
 def test_ddp_without_hook_under_memrt_1(tmp_path):
     stock = _run(W.ddp_train, 4, "gloo", False)
-    flat = _run(W.ddp_train, 4, "gloo", True, MEMRT="1", MEMRT_PROCESS_GROUP="1", MEMRT_BALANCE="off", MEMRT_COMM="flat", MEMRT_REPORT_DIR=str(tmp_path / "a"))
-    hier = _run(W.ddp_train, 4, "gloo", True, MEMRT="1", MEMRT_PROCESS_GROUP="1", MEMRT_BALANCE="off", MEMRT_COMM="hier", MEMRT_REPORT_DIR=str(tmp_path / "b"))
+    flat = _run(W.ddp_train, 4, "gloo", True, MEMRT="1", MEMRT_BALANCE="off", MEMRT_COMM="flat", MEMRT_REPORT_DIR=str(tmp_path / "a"))
+    hier = _run(W.ddp_train, 4, "gloo", True, MEMRT="1", MEMRT_BALANCE="off", MEMRT_COMM="hier", MEMRT_REPORT_DIR=str(tmp_path / "b"))
     hooked = _run(W.ddp_train, 4, "gloo", False, 3, True, MEMRT_COMM="hier")  # memrt.comm's DDP hook on gloo
     for rank in range(4):
         assert flat[rank]["pg"] == hier[rank]["pg"] == "MemrtProcessGroup" and stock[rank]["pg"] != "MemrtProcessGroup"
@@ -110,7 +110,7 @@ def test_ddp_without_hook_under_memrt_1(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_collectives_through_memrt(world, tmp_path):
     stock = _run(W.fsdp_train, world, "gloo", False)
-    exact = _run(W.fsdp_train, world, "gloo", True, MEMRT="1", MEMRT_PROCESS_GROUP="1", MEMRT_COMM="flat", MEMRT_REPORT_DIR=str(tmp_path / "a"),
+    exact = _run(W.fsdp_train, world, "gloo", True, MEMRT="1", MEMRT_COMM="flat", MEMRT_REPORT_DIR=str(tmp_path / "a"),
                  MEMRT_TOPOLOGY="0,1;2,3" if world == 4 else "0;1")
     for rank in range(world):
         assert exact[rank]["pg"] == "MemrtProcessGroup"
@@ -119,7 +119,7 @@ def test_fsdp2_collectives_through_memrt(world, tmp_path):
         # 2 blocks resharded after forward (gathered in forward and backward) + the root: 5 all-gathers a step
         assert len(ops[("all_gather", "flat")]) == 15 and len(ops[("reduce_scatter", "flat")]) == 9, ops.keys()
     if world == 4:
-        hier = _run(W.fsdp_train, 4, "gloo", True, MEMRT="1", MEMRT_PROCESS_GROUP="1", MEMRT_BALANCE="off", MEMRT_COMM="hier", MEMRT_REPORT_DIR=str(tmp_path / "b"))
+        hier = _run(W.fsdp_train, 4, "gloo", True, MEMRT="1", MEMRT_BALANCE="off", MEMRT_COMM="hier", MEMRT_REPORT_DIR=str(tmp_path / "b"))
         custom = _run(W.fsdp_train, 4, "gloo", False, 3, False, True, MEMRT_COMM="hier")
         for rank in range(4):
             ops = _by_op(hier[rank]["log"])
@@ -134,7 +134,7 @@ def test_fsdp2_collectives_through_memrt(world, tmp_path):
 
 def test_fsdp2_compiled_through_memrt(tmp_path):
     stock = run_processes(W.fsdp_train, 2, "gloo", False, 3, True, init_process_group=False, timeout=280)
-    memrt = run_processes(W.fsdp_train, 2, "gloo", True, 3, True, env={"MEMRT": "1", "MEMRT_PROCESS_GROUP": "1", "MEMRT_COMM": "flat", "MEMRT_REPORT_DIR": str(tmp_path)},
+    memrt = run_processes(W.fsdp_train, 2, "gloo", True, 3, True, env={"MEMRT": "1", "MEMRT_COMM": "flat", "MEMRT_REPORT_DIR": str(tmp_path)},
                           init_process_group=False, timeout=280)
     for rank in range(2):
         assert memrt[rank]["pg"] == "MemrtProcessGroup"

@@ -34,6 +34,25 @@ def test_activation_switches_only_what_it_can_carry(args, kwargs, mode, switched
         assert new_args == args and new_kwargs == kwargs
 
 
+@pytest.mark.parametrize("args,kwargs", [(("nccl",), {}), ((), {"backend": "cpu:gloo,cuda:nccl"})])
+def test_process_group_auto_leaves_nccl_jobs_on_torchs_group(args, kwargs):
+    # MEMRT_PROCESS_GROUP=auto: a job whose CUDA tensors would run on NCCL keeps torch's group; on: switched
+    new_args, new_kwargs, did = b.activation_kwargs(args, dict(kwargs), "auto", when="auto")
+    assert not did and new_args == args and new_kwargs == kwargs
+    assert b.activation_kwargs(args, dict(kwargs), "auto", when="on")[2]
+    assert b.activation_kwargs(("gloo",), {}, "auto", when="auto")[2]
+
+
+def test_process_group_setting_reads_auto_or_a_boolean():
+    from memrt.config import ConfigError, load_config
+
+    assert load_config({}).process_group == "auto"
+    assert [load_config({"MEMRT_PROCESS_GROUP": v}).process_group for v in ("1", "off", "AUTO", "yes")] == \
+        ["on", "off", "auto", "on"]
+    with pytest.raises(ConfigError, match="MEMRT_PROCESS_GROUP"):
+        load_config({"MEMRT_PROCESS_GROUP": "sometimes"})
+
+
 def test_inner_spec_follows_the_requested_backend():
     b.set_inner_spec("gloo")
     assert b.inner_spec()["cpu"] == "gloo"

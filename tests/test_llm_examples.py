@@ -42,7 +42,7 @@ def test_fsdp2_example_unchanged_under_memrt(tmp_path):
 
     _run(tmp_path, "stock.pt")
     report = tmp_path / "report"
-    proc = _run(tmp_path, "memrt.pt", MEMRT="1", MEMRT_PROCESS_GROUP="1", MEMRT_TOPOLOGY="0,1;2,3", MEMRT_COMM="flat",
+    proc = _run(tmp_path, "memrt.pt", MEMRT="1", MEMRT_TOPOLOGY="0,1;2,3", MEMRT_COMM="flat",
                 MEMRT_BUDGET=str(BUDGET), MEMRT_REPORT_DIR=str(report))
     text = proc.stdout + proc.stderr
     assert text.count(BANNER) == 1 and "backend memrt" in text, text[-3000:]

@@ -254,14 +254,14 @@ def _wrap_init_process_group(original: Callable) -> Callable:
 
 
 def _memrt_backend(args: tuple, kwargs: dict, config: Any) -> tuple[tuple, dict, bool]:
-    """The script's backend replaced by memrt's process group (memrt.comm.backend), when MEMRT_PROCESS_GROUP
-    asks for it and it can carry the job."""
-    if not config.process_group:
+    """The script's backend replaced by memrt's process group (memrt.comm.backend), unless MEMRT_PROCESS_GROUP
+    is off, and where it can carry the job."""
+    if config.process_group == "off":
         return args, kwargs, False
     try:
         from memrt.comm.backend import activation_kwargs
 
-        return activation_kwargs(args, kwargs, config.comm)
+        return activation_kwargs(args, kwargs, config.comm, when=config.process_group)
     except Exception as exc:  # noqa: BLE001 - torch's own backend then, as the script asked
         _session.fail("memrt process group", exc)
         return args, kwargs, False

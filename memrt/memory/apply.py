@@ -117,11 +117,15 @@ class ApplyHandle:
         from memrt.memory.compiled import compiled_action
 
         actions: dict[str, str] = {}
+        fallbacks: dict[str, str] = {}
         for u in getattr(plan, "units", ()) if plan is not None else ():
             act = compiled_action(u.action)  # a unit called several times: recomputed if any call is
             if act == "recompute" or u.name not in actions:
                 actions[u.name] = act
+            if act != u.action:
+                fallbacks[u.name] = u.action
         self.inst.compiled_actions = actions
+        self.inst.compiled_fallbacks = fallbacks  # said when a compiled graph traces the unit
 
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self._calls.clear()

@@ -22,7 +22,6 @@ Two cases, one mechanism: ``torch.compile(model)`` of a model :func:`memrt.auto`
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,23 +32,14 @@ from memrt.memory.meter import status_bytes
 __all__ = ["compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
            "compiled_meter"]
 
-logger = logging.getLogger(__name__)
-
 COMPILED_ACTIONS = ("keep", "recompute")
 """What a unit can do inside a compiled graph; every other action falls back to ``recompute``."""
 
-_warned: set[str] = set()
-
 
 def compiled_action(action: str) -> str:
-    """The action a compiled graph runs for a planned ``action`` (offload -> recompute, logged once)."""
-    if action in COMPILED_ACTIONS:
-        return action
-    if action not in _warned:
-        _warned.add(action)
-        logger.warning("memrt: plan action %r cannot run inside a torch.compile graph (saved-tensor hooks that "
-                       "move activations do not trace); those units are recomputed instead", action)
-    return "recompute"
+    """The action a compiled graph runs for a planned ``action`` (offload -> recompute)."""
+    return action if action in COMPILED_ACTIONS else "recompute"
+
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ calls of each training step. The profiler (:mod:`memrt.memory.profile`) and the 
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from typing import Any, Callable, Sequence
@@ -16,6 +17,8 @@ import torch
 import torch.nn as nn
 
 __all__ = ["Instrumentation", "UnitCall", "compiled_unit_call"]
+
+logger = logging.getLogger(__name__)
 
 UnitCall = Callable[[str, nn.Module, Callable[..., Any], tuple, dict], Any]
 
@@ -39,6 +42,8 @@ class Instrumentation:
         self.on_other = on_other
         self.on_output = on_output
         self.compiled_actions: dict[str, str] = {}
+        self.compiled_fallbacks: dict[str, str] = {}
+        """Units a compiled step recomputes instead of their planned action (unit name -> that action)."""
         """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
         self.compiled_step = False
         """Whether the step that began last is being compiled by dynamo."""
@@ -144,10 +149,17 @@ class _StepHook:
 
 def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
     inst.compiled_step = compiled
+    if compiled and inst.compiled_fallbacks:  # a compiled step recomputes what the plan offloads: say so once
+        for action in sorted(set(inst.compiled_fallbacks.values()) - _FALLBACKS_SAID):
+            _FALLBACKS_SAID.add(action)
+            logger.warning("memrt: plan action %r cannot run inside a torch.compile graph (saved-tensor hooks that "
+                           "move activations do not trace); those units are recomputed instead", action)
     inst._pre(module, args, kwargs)
 
 
 _OUTSIDE_GRAPH: list[Callable[..., None]] = []
+_FALLBACKS_SAID: set[str] = set()
+"""Plan actions already reported as recomputed under torch.compile (said once per process)."""
 
 
 def _pre_outside_graph() -> Callable[..., None]:
