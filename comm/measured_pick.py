@@ -48,6 +48,11 @@ def size_class(nbytes: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, nbytes))))
 
 
+def _key(op: str, nbytes: int, src: int) -> tuple:
+    """(op, size class, source rank for broadcast else 0): calls that share one pick."""
+    return op, size_class(nbytes), src if op == "broadcast" else 0
+
+
 @dataclasses.dataclass
 class _Entry:
     seconds: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {a: [] for a in ALGORITHMS})
@@ -70,7 +75,7 @@ class MeasuredPicks:
         then reports its seconds with :meth:`add`."""
         if op not in MOVE_OPS or set(candidates) != set(ALGORITHMS) or model_pick not in ALGORITHMS:
             return model_pick, None
-        key = (op, size_class(nbytes), src if op == "broadcast" else 0)
+        key = _key(op, nbytes, src)
         entry = self._entries.get(key)
         if entry is None:
             lo, hi = sorted(candidates.values())
@@ -122,12 +127,12 @@ class MeasuredPicks:
 
     def settled(self, op: str, nbytes: int, src: int = 0) -> bool:
         """True once calls of this op and size class run one algorithm (the model's or the measured one)."""
-        entry = self._entries.get((op, size_class(nbytes), src if op == "broadcast" else 0))
+        entry = self._entries.get(_key(op, nbytes, src))
         return entry is not None and entry.chosen is not None
 
     def reason(self, op: str, nbytes: int, src: int = 0) -> str:
         """Why the measured pick for this call's size class is what it is ("" before it is settled)."""
-        entry = self._entries.get((op, size_class(nbytes), src if op == "broadcast" else 0))
+        entry = self._entries.get(_key(op, nbytes, src))
         return entry.reason if entry is not None else ""
 
     def decided(self) -> dict[tuple, tuple[str, str]]:
