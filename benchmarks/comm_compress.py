@@ -3,7 +3,8 @@
 Baseline, measured in the same run: torch.distributed (gloo) all_reduce over all 4 ranks, and 256
 separate gloo all_reduce calls for the fusion arm. memrt arms go through ``memrt.comm.all_reduce``
 with the algorithm forced per arm (flat, hier, hier+bf16, hier+int8); ``auto`` is the cost model's
-choice. Every time is the median over repeats of the slowest rank's time between barriers.
+choice. A 64 MiB reduce-scatter (FSDP2's gradients) is timed too: gloo's ``reduce_scatter_tensor`` against
+memrt's hier, hier+bf16 and hier+int8 with error feedback. Every time is the median over repeats of the slowest rank's time between barriers.
 
     sudo .venv/bin/python -m benchmarks.comm_compress [--quick] [--where emulated|loopback|both|codecs]
 
@@ -40,7 +41,7 @@ def _worker(rank: int, url: str, out: str, reps: int, cache: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=url, rank=rank, world_size=4, timeout=timedelta(seconds=300))
-    res = measure(sizes=SIZES, reps=reps, sweep=SWEEP, fusion=True)
+    res = measure(sizes=SIZES, reps=reps, sweep=SWEEP, fusion=True, reduce_scatter=[64 * MiB])
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -51,7 +52,7 @@ def _loopback_worker(rank: int, world: int, reps: int) -> dict[str, Any]:
     from memrt.bench import measure
 
     api.setup_topology(health=False)
-    return measure(sizes=SIZES, reps=reps, sweep=SWEEP, fusion=True)
+    return measure(sizes=SIZES, reps=reps, sweep=SWEEP, fusion=True, reduce_scatter=[64 * MiB])
 
 
 def run_emulated(reps: int, tmp: str) -> dict[str, Any]:
@@ -112,6 +113,14 @@ def summarize(where: str, res: dict[str, Any]) -> dict[str, Any]:
         print_table(["arm", "time", "vs 256 separate gloo calls"],
                     [(k, f"{v * 1e3:.1f} ms", f"{fu['separate_gloo'] / v:.2f}x") for k, v in fu.items()],
                     title=f"{where}: 256 tensors of 16 KiB")
+    rs = res.get("reduce_scatter", {})
+    for n, row in rs.items():
+        base = row["gloo"]["measured"]
+        print_table(["algorithm", "measured", "predicted", "speed-up vs gloo"],
+                    [(a, f"{v['measured'] * 1e3:.1f} ms", f"{v['predicted'] * 1e3:.1f} ms" if "predicted" in v else "-",
+                      f"{base / v['measured']:.2f}x") for a, v in row.items()],
+                    title=f"{where}: reduce_scatter of {int(n) // MiB} MiB float32 (FSDP2's gradients; "
+                          "int8 with error feedback)")
     print(res["explain"])
     chosen_acc = [a for a in acc if a["algorithm"] == res["sizes"][str(a["bytes"])]["auto"]["algorithm"]]
     s64 = res["sizes"][str(64 * MiB)]
@@ -121,6 +130,8 @@ def summarize(where: str, res: dict[str, Any]) -> dict[str, Any]:
         "all_within_25pct": sum(0.75 <= a["pred_over_meas"] <= 1.25 for a in acc) / max(1, len(acc)),
         "sweep_fastest_share": hits / max(1, len(sweep)),
         "speedup_64mib": {a: s64["gloo"]["measured"] / s64[a]["measured"] for a in s64 if a not in ("auto", "gloo")},
+        "reduce_scatter_speedup": {n: {a: row["gloo"]["measured"] / v["measured"]
+                                       for a, v in row.items() if a != "gloo"} for n, row in rs.items()},
         "fusion_speedup": fu["separate_gloo"] / fu["all_reduce_coalesced"] if fu else None,
         "auto_fusion_speedup": fu["separate_gloo"] / fu["auto_coalesced_async"] if fu else None,
         "links": res["links"],

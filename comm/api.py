@@ -20,8 +20,8 @@ import torch.distributed as tdist
 
 from memrt.comm import fusion
 from memrt.comm import hierarchical as alg
-from memrt.comm.dispatch import (Choice, check_arguments, compressed_inter_hop, decide, end_trial, on_world, run_flat,
-                                 run_own)
+from memrt.comm.dispatch import (Choice, check_arguments, compressed_inter_hop, compressed_inter_scatter, decide,
+                                 end_trial, on_world, run_flat, run_own)
 from memrt.comm.reduction import REDUCE_OPS, op_name
 from memrt.comm.setup import (STATE, comm_mode, destroy_process_group, ensure, get_topology, init_process_group,
                               let_backend_threads_finish, prepare, set_checks, settings, setup_topology,
@@ -190,9 +190,19 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = tdist.ReduceOp.SUM,  # noqa: A002
-                          group: Any = None, async_op: bool = False):
-    """torch.distributed.reduce_scatter_tensor; intra-node then inter-node on equal nodes."""
+                          group: Any = None, async_op: bool = False, *, compress: str | None = None,
+                          key: Any = None):
+    """torch.distributed.reduce_scatter_tensor; intra-node then inter-node on equal nodes.
+
+    Exact unless ``compress`` ("bf16", "fp16", "int8", or "auto") asks to compress what crosses the slow
+    link (floating-point SUM / AVG on two or more equal nodes; the intra-node stage stays exact). ``key``:
+    the gradient buffer this call reduces (a :class:`memrt.comm.compress.FeedbackKey`, e.g. one FSDP2
+    parameter group), for error feedback; None for none."""
     flat_fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+    if compress is not None:
+        from memrt.comm.compress import check_compress
+
+        check_compress(compress, "compress")
     if not on_world(group):
         return flat_fn(output, input, op, group, async_op)
     ensure(input.device)
@@ -207,12 +217,23 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     algorithm, predicted, _, _ = decide("reduce_scatter", nbytes, input.dtype, op)
     if algorithm == "off":
         return flat_fn(output, input, op, group, async_op)
-    if algorithm == "hier" and output.is_contiguous():
-        return run_own("reduce_scatter", input, nbytes, "hier", predicted,
-                       lambda: alg.hierarchical_reduce_scatter(output, input, opn, STATE.topology, groups=STATE.groups),
-                       async_op, [output], opn.lower())
+    reason = ""
+    topo = STATE.topology
+    if compress not in (None, "none") and STATE.groups is not None and topo.num_nodes > 1 and topo.is_uniform and \
+            input.is_floating_point() and opn in ("SUM", "AVG") and output.is_contiguous():
+        from memrt.comm.compress import choose_codec
+
+        chosen = choose_codec(compress, nbytes, input.dtype, topo, algorithm, predicted, STATE.config.comm,
+                              op="reduce_scatter")
+        algorithm, predicted, reason = chosen.algorithm, chosen.predicted_seconds, chosen.reason
+    if algorithm.startswith("hier") and output.is_contiguous():
+        plug = compressed_inter_scatter(algorithm, key)
+        return run_own("reduce_scatter", input, nbytes, algorithm, predicted,
+                       lambda: alg.hierarchical_reduce_scatter(output, input, opn, topo, groups=STATE.groups,
+                                                               inter_reduce_scatter=plug),
+                       async_op, [output], opn.lower(), reason)
     return run_flat("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op,
-                    predicted if algorithm == "flat" else None, opn.lower())
+                    predicted if algorithm == "flat" else None, opn.lower(), reason)
 
 
 reduce_scatter_single = reduce_scatter_tensor

@@ -1,8 +1,8 @@
 """Compression of the slow (inter-node) hop: bf16 / fp16 casts and int8 with per-chunk scales.
 
-Only :func:`compressed_all_reduce` touches the wire; the intra-node tier stays exact because
-``hierarchical_all_reduce`` calls it on the inter-node shard only. Integer tensors and non-sum
-reductions are never compressed.
+Only :func:`compressed_all_reduce` and :func:`compressed_reduce_scatter` touch the wire; the intra-node
+tier stays exact because ``hierarchical_all_reduce`` / ``hierarchical_reduce_scatter`` call them on the
+inter-node hop only. Integer tensors and non-sum reductions are never compressed.
 
 Error feedback (Seide et al., "1-bit SGD", Interspeech 2014; Karimireddy et al., "Error Feedback
 Fixes SignSGD", ICML 2019): what compression dropped from a call site's tensor (its *residual*) is
@@ -28,8 +28,9 @@ from memrt.comm.codecs import (BLOCK_ELEMENTS, CODECS, INT8_CHUNK_ELEMENTS, Code
 from memrt.comm.reduction import DONE
 
 __all__ = ["CODECS", "COMPRESS_VALUES", "AUTO_CODEC", "AUTO_MIN_GAIN", "Codec", "CodecChoice", "ErrorFeedback",
-           "FeedbackKey", "check_compress", "choose_codec", "compressed_all_reduce", "feedback_part",
-           "get_error_feedback", "encode", "decode", "pipeline_chunk_bytes", "INT8_CHUNK_ELEMENTS", "BLOCK_ELEMENTS"]
+           "FeedbackKey", "check_compress", "choose_codec", "compressed_all_reduce", "compressed_reduce_scatter",
+           "feedback_part", "get_error_feedback", "encode", "decode", "pipeline_chunk_bytes", "INT8_CHUNK_ELEMENTS",
+           "BLOCK_ELEMENTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,9 @@ class CodecChoice:
 
 
 def choose_codec(asked: str, nbytes: int, dtype: torch.dtype, topology, algorithm: str, predicted: float | None,
-                 comm_mode: str = "auto") -> CodecChoice:
-    """Resolve ``asked`` (a codec name or "auto") for a floating-point sum of ``nbytes`` on ``topology``.
+                 comm_mode: str = "auto", op: str = "all_reduce") -> CodecChoice:
+    """Resolve ``asked`` (a codec name or "auto") for a floating-point sum of ``nbytes`` on ``topology``
+    (``op``: all_reduce or reduce_scatter).
 
     ``algorithm`` / ``predicted``: the exact choice for this call. A named codec is always used (the
     caller asked); ``auto`` uses :data:`AUTO_CODEC` when the cost model predicts ``hier+bf16`` at least
@@ -75,15 +77,15 @@ def choose_codec(asked: str, nbytes: int, dtype: torch.dtype, topology, algorith
     esize = select.element_size_of(dtype)
     if asked != "auto":
         algo = f"hier+{asked}"
-        return CodecChoice(algorithm=algo, predicted_seconds=select.predict(algo, nbytes, nodes, links, esize),
+        return CodecChoice(algorithm=algo, predicted_seconds=select.predict(algo, nbytes, nodes, links, esize, op=op),
                            reason=f"compress={asked} asked for: inter-node hop compressed")
     if comm_mode == "flat":
         return CodecChoice(algorithm=algorithm, predicted_seconds=predicted,
                            reason="compress=auto: exact, MEMRT_COMM=flat forces torch's ring")
     base = predicted if predicted is not None else select.predict(
-        "flat" if algorithm == "flat" else "hier", nbytes, nodes, links, esize)
+        "flat" if algorithm == "flat" else "hier", nbytes, nodes, links, esize, op=op)
     algo = f"hier+{AUTO_CODEC}"
-    t = select.predict(algo, nbytes, nodes, links, esize)
+    t = select.predict(algo, nbytes, nodes, links, esize, op=op)
     gain = 1.0 - t / base if base > 0 else 0.0
     src = "" if measured else ", default links: not probed yet"
     line = (f"{algo} predicted {t * 1e3:.3g} ms vs {algorithm} {base * 1e3:.3g} ms ({gain:+.0%}; "
@@ -304,3 +306,60 @@ def _two_phase(flat, group, codec, key, ef, m):
     for i, g in enumerate(gathered):
         decode(g, codec, per, out=out[i * per:(i + 1) * per])
     return out[:n]
+
+
+def compressed_reduce_scatter(tier, blocks: torch.Tensor, out: torch.Tensor, codec: str, key: Hashable = None, *,
+                              error_feedback: ErrorFeedback | None = None):
+    """Sum-reduce-scatter across ``tier`` (one member per node, in node order) with the payload compressed.
+
+    ``blocks`` holds ``tier.size`` blocks of ``out.numel()`` elements (block i goes to member i). Each block
+    for another member is encoded (with error feedback under ``key``, one residual per destination) and
+    exchanged in one all-to-all; this member's own block never leaves the rank and is added exact. Returns a
+    handle whose ``wait()`` writes into ``out`` the sum over members in member order (decoded float32 sums,
+    cast to ``out``'s dtype): inf and NaN in any input reach the same positions of the result.
+    """
+    ef = _EF if error_feedback is None else error_feedback
+    m, me, w = tier.size, tier.rank, out.numel()
+    wire = Codec(codec).wire_bytes(w)
+    flat = blocks.reshape(-1)
+    payloads = []
+    for i in range(m):
+        if i == me:
+            continue
+        res = None if key is None else ef.buffer(_sub(key, "to", i), w, flat.device)
+        payloads.append(encode(flat[i * w:(i + 1) * w], codec, residual=res))
+    send = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=flat.device)
+    recv = torch.empty(wire * (m - 1), dtype=torch.uint8, device=flat.device)
+    splits = [0 if i == me else wire for i in range(m)]
+    work = tier.all_to_all(recv, send, splits, splits)
+    return _ScatterSum(work, recv, flat[me * w:(me + 1) * w], out, codec, me, m)
+
+
+class _ScatterSum:
+    """The decode-and-sum half of :func:`compressed_reduce_scatter`."""
+
+    def __init__(self, work, recv: torch.Tensor, own: torch.Tensor, out: torch.Tensor, codec: str, me: int,
+                 m: int) -> None:
+        self.work, self.recv, self.own, self.out, self.codec, self.me, self.m = work, recv, own, out, codec, me, m
+
+    def wait(self, timeout=None) -> bool:
+        if self.work is None:
+            return True
+        self.work.wait()
+        self.work = None
+        w = self.out.numel()
+        wire = self.recv.numel() // max(self.m - 1, 1)
+        total = self.out if self.out.dtype == torch.float32 else torch.empty(w, device=self.out.device)
+        slot = 0
+        for i in range(self.m):  # member order: the same order of additions on every rank
+            if i == self.me:
+                if i == 0:
+                    total.copy_(self.own)
+                else:
+                    total.add_(self.own)
+                continue
+            decode(self.recv[slot * wire:(slot + 1) * wire], self.codec, w, out=total, accumulate=i > 0)
+            slot += 1
+        if total is not self.out:
+            self.out.copy_(total)
+        return True

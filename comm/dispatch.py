@@ -25,8 +25,8 @@ from memrt.comm.setup import STATE
 from memrt.comm.work import MemrtWork, RecordedWork, raise_diagnosed
 from memrt.profiling import recorder
 
-__all__ = ["Choice", "check_arguments", "compressed_inter_hop", "decide", "end_trial", "on_world", "record", "run_flat", "run_own",
-           "sent_per_tier", "world_size"]
+__all__ = ["Choice", "check_arguments", "compressed_inter_hop", "compressed_inter_scatter", "decide", "end_trial",
+           "on_world", "record", "run_flat", "run_own", "sent_per_tier", "world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,23 @@ def compressed_inter_hop(algorithm: str, base_key: Any, flat_ptr: int) -> Callab
         # async: the payload is on the wire when this returns, the pipeline's wait() decodes it, so the
         # helper thread encodes the next chunk while this one crosses the slow link
         return compressed_all_reduce(shard, group, codec, key, async_op=True)
+
+    return inter
+
+
+def compressed_inter_scatter(algorithm: str, base_key: Any) -> Callable | None:
+    """The inter-node exchange of a compressed hierarchical reduce-scatter, None for an exact ``algorithm``.
+
+    ``base_key`` (the caller's gradient buffer, e.g. one FSDP2 parameter group; None for a plain call) keys
+    error feedback per chunk offset of this rank's block and per destination node."""
+    if "+" not in algorithm:
+        return None
+    codec = algorithm.split("+", 1)[1]
+    from memrt.comm.compress import compressed_reduce_scatter, feedback_part
+
+    def inter(tier: Any, blocks: torch.Tensor, out: torch.Tensor, offset: int) -> Any:
+        key = None if base_key is None else feedback_part(base_key, offset, out.numel())
+        return compressed_reduce_scatter(tier, blocks, out, codec, key)
 
     return inter
 

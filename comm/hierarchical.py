@@ -49,6 +49,7 @@ INTER_DEPTH = 3
 """Inter-node all-reduces kept in flight by the pipeline."""
 
 InterAllReduce = Callable[[torch.Tensor, Any], Any]
+InterReduceScatter = Callable[[Tier, torch.Tensor, torch.Tensor, int], Any]
 
 _plug_lock = threading.Lock()
 _plug_pool: cf.ThreadPoolExecutor | None = None
@@ -361,13 +362,19 @@ def hierarchical_all_gather(out: torch.Tensor, inp: torch.Tensor, topology: Topo
 
 
 def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, topology: Topology, *,
-                                groups: HierGroups | None = None,
-                                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+                                groups: HierGroups | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                                inter_reduce_scatter: InterReduceScatter | None = None) -> torch.Tensor:
     """``out`` = this rank's block of ``inp`` (world blocks, rank order) reduced: intra-node, then inter-node.
 
     Order: node_0 (op) node_1 ..., each node's ranks in local order. Equal nodes only. Pipelined over
     chunks of ``chunk_bytes`` of each block: the intra-node exchange of chunk k+1 runs while chunk k is
     reduced and exchanged across nodes (the order of every element's reduction does not change).
+
+    ``inter_reduce_scatter(tier, blocks, out, offset)`` replaces the inter-node exchange (SUM / AVG only):
+    ``blocks`` holds the node-reduced values for every node of the slot tier (node order, ``out.numel()``
+    each), ``offset`` is the chunk's first element within this rank's block; it returns an object whose
+    ``wait()`` leaves in ``out`` the sum over nodes in node order (e.g. :func:`memrt.comm.compress.
+    compressed_reduce_scatter`, which compresses what crosses the slow link).
     """
     opn = op_name(op)
     check_reducible(inp, opn)
@@ -382,6 +389,7 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
     order = torch.tensor([topo.nodes[i][jj] for jj in range(k) for i in range(nn)], device=blocks.device)
     res = torch.empty(m, dtype=inp.dtype, device=inp.device)
     chunk = max(1, chunk_bytes // max(inp.element_size(), 1))
+    plug = inter_reduce_scatter if opn in ("SUM", "AVG") and nn > 1 else None
 
     def start_inter(item: tuple[Any, torch.Tensor, int, int]) -> tuple[Any, torch.Tensor, int, int]:
         work, got, c0, c1 = item
@@ -392,13 +400,16 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
             _ordered_reduce(got.view(k, nn * w), mine, opn)
         else:
             mine = got
+        if plug is not None:
+            return plug(g.slot_tier, mine, res[c0:c1], c0), None, c0, c1
         recv = torch.empty(nn * w, dtype=mine.dtype, device=mine.device)
         return g.slot_tier.all_to_all(recv, mine, [w] * nn, [w] * nn), recv, c0, c1
 
-    def finish(item: tuple[Any, torch.Tensor, int, int]) -> None:
+    def finish(item: tuple[Any, torch.Tensor | None, int, int]) -> None:
         work, recv, c0, c1 = item
         work.wait()
-        _ordered_reduce(recv.view(nn, c1 - c0), res[c0:c1], opn)  # node order
+        if recv is not None:
+            _ordered_reduce(recv.view(nn, c1 - c0), res[c0:c1], opn)  # node order
 
     def start_intra() -> Iterator[tuple[Any, torch.Tensor, int, int]]:
         for c0 in range(0, m, chunk):

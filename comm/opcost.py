@@ -92,22 +92,30 @@ def flat_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, bac
     return _timed(model, "reduce_scatter", "flat", lambda n: cm.ring_reduce_scatter(p, n, link, gamma), nbytes)
 
 
-def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel) -> float:
+def hierarchical_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, codec: str = "none",
+                                element_size: int = 4) -> float:
     """memrt's pipelined reduce-scatter: per chunk (x bytes of input: c bytes of each of the p blocks), a
     copy into slot order, the intra-node exchange and reduction, then the inter-node exchange and reduction
     of this rank's 1/l (the l ranks of a node at once, sharing its link); K chunks overlap:
 
     T = A(x) + B(x) + (K-1) max(A(x), B(x)),  A(x) = x gamma + RS(l, x, intra),  B(x) = RS(m, x/l, inter, shared)
+
+    With a codec the inter-node blocks travel compressed (``compressed_ratio`` of their bytes) and each
+    rank encodes its m-1 outgoing blocks and decodes the m-1 it receives (``codec_s_per_byte`` per byte, in B).
     """
     p, m, l_ranks = _shape(nodes)
     gamma = model.gamma_s_per_byte
     inter = model.tier("inter")
+    ratio = cm.compressed_ratio(codec, element_size) if codec != "none" else 1.0
+    codec_s = model.codec_s_per_byte.get(codec, 0.0) if codec != "none" else 0.0
 
     def stage_a(x: float) -> float:
         return x * gamma + cm.ring_reduce_scatter(l_ranks, x, model.intra, gamma)
 
     def stage_b(x: float) -> float:
-        return cm.ring_reduce_scatter(m, x / l_ranks, inter, gamma, shared=l_ranks > 1)
+        shard = x / l_ranks
+        return (cm.ring_reduce_scatter(m, shard * ratio, inter, 0.0, shared=l_ranks > 1)
+                + (m - 1) / m * shard * (gamma + codec_s))
 
     def cost(n: float) -> float:
         chunks = max(1, math.ceil(n / p / PIPELINE_CHUNK_BYTES))

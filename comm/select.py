@@ -78,8 +78,12 @@ def predict(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], mod
                  ("all_gather", "hier"): lambda: opcost.hierarchical_all_gather(nodes, nbytes, model),
                  ("reduce_scatter", "flat"): lambda: opcost.flat_reduce_scatter(nodes, nbytes, model, backend=backend),
                  ("reduce_scatter", "hier"): lambda: opcost.hierarchical_reduce_scatter(nodes, nbytes, model),
+                 ("reduce_scatter", "hier+"): lambda: opcost.hierarchical_reduce_scatter(
+                     nodes, nbytes, model, codec=algorithm[5:], element_size=element_size),
                  ("broadcast", "flat"): lambda: opcost.flat_broadcast(nodes, nbytes, model, src=src),
                  ("broadcast", "hier"): lambda: opcost.hierarchical_broadcast(nodes, nbytes, model)}
+        if op == "reduce_scatter" and algorithm.startswith("hier+"):
+            return table[op, "hier+"]()
         if (op, algorithm) not in table:
             raise ValueError(f"op={op!r} with algorithm={algorithm!r} has no cost model: expected all_reduce, "
                              "all_gather, reduce_scatter or broadcast with flat or hier")
@@ -161,7 +165,8 @@ def tier_bytes(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], 
     Hierarchical (k = ranks of this rank's node, m = nodes): all_reduce intra 2(k-1)/k n (reduce-scatter
     + all-gather), inter 2(m-1)/m n/k (this rank's 1/k of the node's share crosses in a ring over the
     nodes; compressed: the codec's wire ratio, one all-gather of the shard when m = 2); all_gather
-    inter (m-1) n then intra (k-1) m n; reduce_scatter intra (k-1) m n/p then inter (m-1) n/p;
+    inter (m-1) n then intra (k-1) m n; reduce_scatter intra (k-1) m n/p then inter (m-1) n/p (compressed:
+    times the codec's wire ratio);
     broadcast n on each tier. ``...@mpi`` algorithms count as their plain name.
     """
     algorithm = algorithm.split("@", 1)[0]
@@ -182,7 +187,8 @@ def tier_bytes(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], 
         return {"intra": int(nbytes) if k > 1 else 0, "inter": int(nbytes) if m > 1 else 0}
     if op in ("all_gather", "reduce_scatter"):
         block = nbytes / p if op == "reduce_scatter" else nbytes  # one rank's block
-        return {"intra": int((k - 1) * m * block), "inter": int((m - 1) * block)}
+        wire = cm.compressed_ratio(algorithm.split("+", 1)[1], element_size) if "+" in algorithm else 1.0
+        return {"intra": int((k - 1) * m * block), "inter": int((m - 1) * block * wire)}
     intra = int(2 * (k - 1) / k * nbytes) if k > 1 else 0
     shard = nbytes / k
     if algorithm == "hier":

@@ -48,24 +48,49 @@ def _torch_op(op: str):
 
 
 class TorchTier:
-    """A torch.distributed process group over ``ranks`` (global ranks, group order)."""
+    """A torch.distributed process group over ``ranks`` (global ranks, member order).
+
+    Members are numbered in the order of ``ranks`` (a node's local order; a slot tier's node order), which
+    the algorithms rely on. torch numbers a new group's members by ascending global rank instead; where the
+    two differ (nodes given as ``3,2``, or interleaved hosts whose slots are ``(3, 2)``), all-to-all and
+    all-gather are re-ordered here, so member i always sends to and receives from ``ranks[i]``."""
 
     def __init__(self, pg: Any, ranks: Sequence[int], my_rank: int) -> None:
+        import torch.distributed as dist
+
         self.handle = pg
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(my_rank)
+        position = [dist.get_group_rank(pg, r) for r in self.ranks]  # member -> position in torch's group
+        self._member_at = None if position == list(range(self.size)) else sorted(range(self.size),
+                                                                                 key=position.__getitem__)
+        """Group position -> member, where they differ (None: the same order)."""
 
     def all_to_all(self, out, inp, out_splits, in_splits):
         import torch.distributed as dist
 
-        return dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.handle, async_op=True)
+        if self._member_at is None:
+            return dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.handle,
+                                          async_op=True)
+        order = self._member_at
+        pieces = _pieces(inp, in_splits)
+        send = torch.cat([pieces[m] for m in order])
+        recv = torch.empty(sum(out_splits), dtype=out.dtype, device=out.device)
+        work = dist.all_to_all_single(recv, send, [out_splits[m] for m in order], [in_splits[m] for m in order],
+                                      group=self.handle, async_op=True)
+        return _Reordered(work, recv, [out_splits[m] for m in order], order, _pieces(out, out_splits))
 
     def all_gather(self, out, inp):
         import torch.distributed as dist
 
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return fn(out, inp, group=self.handle, async_op=True)
+        if self._member_at is None:
+            return fn(out, inp, group=self.handle, async_op=True)
+        recv = torch.empty_like(out)
+        work = fn(recv, inp, group=self.handle, async_op=True)
+        return _Reordered(work, recv, [out.numel() // self.size] * self.size, self._member_at,
+                          _pieces(out, [out.numel() // self.size] * self.size))
 
     def all_reduce(self, t, op):
         import torch.distributed as dist
@@ -76,6 +101,31 @@ class TorchTier:
         import torch.distributed as dist
 
         return dist.broadcast(t, src=self.ranks[root], group=self.handle, async_op=True)
+
+
+def _pieces(t: torch.Tensor, splits: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive views of the flat ``t`` of the given lengths."""
+    flat, out, at = t.reshape(-1), [], 0
+    for n in splits:
+        out.append(flat[at:at + n])
+        at += n
+    return out
+
+
+class _Reordered:
+    """A collective's result in torch's group order, copied into member order once it completes."""
+
+    def __init__(self, work: Any, recv: torch.Tensor, recv_splits: Sequence[int], member_at: Sequence[int],
+                 dest: list[torch.Tensor]) -> None:
+        self.work, self.recv, self.recv_splits, self.member_at, self.dest = work, recv, recv_splits, member_at, dest
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            for piece, m in zip(_pieces(self.recv, self.recv_splits), self.member_at):
+                self.dest[m].copy_(piece)
+        return True
 
 
 @dataclass(kw_only=True, slots=True)

@@ -54,17 +54,47 @@ cores one descheduled rank moves a median of a few by tens of percent."""
 
 
 def measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...] = ALGORITHMS, baseline: bool = True,
-            sweep: list[int] | None = None, fusion: bool = False, force_probe: bool = False) -> dict[str, Any]:
-    """Collective over an initialized memrt.comm job; returns the same dict on every rank."""
+            sweep: list[int] | None = None, fusion: bool = False, force_probe: bool = False,
+            reduce_scatter: list[int] | None = None) -> dict[str, Any]:
+    """Collective over an initialized memrt.comm job; returns the same dict on every rank. ``reduce_scatter``:
+    input sizes at which FSDP2's gradient reduce-scatter is timed too (gloo, memrt hier, hier+<codec> with error
+    feedback, as :class:`memrt.comm.fsdp_comms.MemrtReduceScatter` runs it)."""
     from memrt.comm.setup import override
 
     with override(comm="auto", compress="none"):  # each arm below forces only its algorithm
         return _measure(sizes=sizes, reps=reps, algorithms=algorithms, baseline=baseline, sweep=sweep, fusion=fusion,
-                        force_probe=force_probe)
+                        force_probe=force_probe, reduce_scatter=reduce_scatter or [])
+
+
+def _reduce_scatter_arms(sizes: list[int], reps: int, model: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as tdist
+
+    from memrt.comm import api, select
+    from memrt.comm.compress import FeedbackKey
+    from memrt.comm.setup import STATE, override
+
+    topo = STATE.topology
+    out: dict[str, Any] = {}
+    for n in sizes:
+        world = topo.world_size
+        x = torch.randn(n // 4 // world * world, generator=torch.Generator().manual_seed(topo.rank))
+        o = torch.empty(x.numel() // world)
+        row: dict[str, Any] = {"gloo": {"measured": timed(lambda: tdist.reduce_scatter_tensor(o, x), reps)}}
+        for a in ALGORITHMS:
+            if a == "flat":
+                continue
+            codec = a.split("+", 1)[1] if "+" in a else None
+            key = FeedbackKey(owner=("bench", "reduce_scatter", a)) if codec else None
+            with override(comm="hier"):
+                row[a] = {"measured": timed(lambda: api.reduce_scatter_tensor(o, x, compress=codec, key=key), reps),
+                          "predicted": select.predict(a, x.numel() * 4, topo.nodes, model, op="reduce_scatter")}
+        out[str(x.numel() * 4)] = row
+    return out
 
 
 def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseline: bool, sweep: list[int] | None,
-             fusion: bool, force_probe: bool) -> dict[str, Any]:
+             fusion: bool, force_probe: bool, reduce_scatter: list[int]) -> dict[str, Any]:
     import torch
     import torch.distributed as tdist
 
@@ -124,6 +154,8 @@ def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseli
             "auto_coalesced_async": timed(lambda: [w.wait() for w in [dist.all_reduce(t, async_op=True) for t in ts]],
                                           reps),
         }
+    if reduce_scatter and multi and topo.is_uniform:
+        out["reduce_scatter"] = _reduce_scatter_arms(reduce_scatter, reps, model)
     out["explain"] = dist.explain()
     return out
 

@@ -162,14 +162,18 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fwd = torch.compile(model) if compile_model else model
     clear_log()
+    losses = []
     for step in range(steps):
-        x, y = _batch(rank, step)
-        lm_loss(fwd(x), y).backward()
+        x, y = _batch(rank, step % 4)  # a few batches again and again: the loss falls
+        loss = lm_loss(fwd(x), y)
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
         opt.zero_grad()
     log = comm_log()
     state = {k: v.full_tensor().detach().numpy().tobytes() for k, v in model.state_dict().items()}
-    out = {"state": state, "log": log, "pg": type(dist.distributed_c10d._get_default_group()).__name__}
+    out = {"state": state, "log": log, "pg": type(dist.distributed_c10d._get_default_group()).__name__,
+           "losses": losses}
     if budget is not None:
         import memrt
 
@@ -182,7 +186,8 @@ def fsdp_train(rank: int, world: int, backend: str, activate: bool, steps: int =
 
 
 def compile_check(out_path: str, budget: int) -> None:
-    """Compiled stock vs compiled + memrt (auto then compile, and auto of the compiled model), 3 AdamW steps.
+    """Compiled stock vs compiled + memrt (auto then compile, and auto of the compiled model), 4 AdamW steps
+    (step 1 profiles, step 2 recompiles under the plan, step 3 is certified when step 4 begins).
 
     Run in a fresh process with one thread (inductor's CPU reductions split over threads are not
     reproducible run to run) and MALLOC_MMAP_THRESHOLD_=65536 (memrt's CPU budget measure).
@@ -208,7 +213,7 @@ def compile_check(out_path: str, budget: int) -> None:
         if mode == "auto_of_compiled":
             assert memrt.auto(f, budget=budget, offload="none", cache=PlanCache()) is f
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        for s in range(3):
+        for s in range(4):
             x, y = gpt_batch(cfg, 8, seed=s)
             lm_loss(f(x), y).backward()
             opt.step()
@@ -262,3 +267,48 @@ def fsdp_planned(rank: int, world: int, budgets: list[int]) -> dict[str, Any]:
             memrt.disable(model)
     dist.destroy_process_group()
     return out
+
+
+def compile_floor_check(out_path: str) -> None:
+    """A compiled ConvNet (BatchNorm) whose compiled floor is below the eager profile's: at a 1-byte budget
+    memrt names the measured compiled floor; at 3% above it (below the eager floor) it trains under the
+    budget, state bitwise equal to compiled stock after 4 AdamW steps. Fresh process, one thread."""
+    import json
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import ConvNet
+
+    torch.set_num_threads(1)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(1))
+
+    def run(budget: int | None) -> dict[str, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = ConvNet(channels=16, n_blocks=4)
+        if budget is not None:
+            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+        f = torch.compile(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        try:
+            for _ in range(4):
+                torch.nn.functional.cross_entropy(f(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        except memrt.BudgetError as exc:
+            return {"error": str(exc), "min_feasible": exc.min_feasible_bytes}
+        out: dict[str, Any] = {"state": {k: v.numpy().tobytes().hex() for k, v in m.state_dict().items()}}
+        plan = memrt.plan_of(m)
+        if plan is not None:
+            out.update(actions=[u.action for u in plan.units], measured=plan.measured_peak_bytes,
+                       predicted=plan.predicted_peak_bytes, eager_floor=plan.min_feasible_bytes)
+        return out
+
+    summary: dict[str, Any] = {"stock": run(None), "tiny": run(1)}
+    floor = summary["tiny"].get("min_feasible")
+    if floor:
+        summary["budget"] = int(floor * 1.03)
+        summary["fits"] = run(summary["budget"])
+    with open(out_path, "w") as f:
+        json.dump(summary, f)

@@ -85,3 +85,72 @@ def test_every_op_dtype_and_size_on_even_and_uneven_nodes():
     out = run_processes(_check_cases, 4, cases, ((0, 1), (2, 3)), 256 * 1024,
                         env={"MEMRT_TOPOLOGY": "0,1,2;3", "MEMRT_COMM": "hier"}, timeout=300)
     assert out == [[]] * 4, "\n".join(out[0])
+
+
+def _layouts(rank: int, world: int) -> list[str]:
+    """Every hierarchical collective on nodes whose members are not in ascending rank order (torch numbers a
+    group's members by rank): results equal torch.distributed's (integer-valued floats: any order is exact)."""
+    import torch.distributed as tdist
+
+    import memrt.comm as dist
+    from memrt.comm import hierarchical
+    from memrt.comm.topology import Topology
+    from memrt.comm.tiers import torch_groups
+    from memrt.profiling.recorder import get_recorder
+
+    dist.setup_topology()
+    failures: list[str] = []
+    n = 30011
+    x = torch.randint(-50, 50, (world * n,), generator=torch.Generator().manual_seed(rank)).float()
+    want_ar = x.clone()
+    tdist.all_reduce(want_ar)
+    want_ag = torch.empty(world * x.numel())
+    tdist.all_gather_into_tensor(want_ag, x)
+    want_rs = torch.empty(n)
+    tdist.reduce_scatter_tensor(want_rs, x.clone())
+    rec = get_recorder()
+    rec.clear()
+    got = x.clone()
+    dist.all_reduce(got)
+    if not torch.equal(got, want_ar):
+        failures.append("all_reduce")
+    got = torch.empty_like(want_ag)
+    dist.all_gather_into_tensor(got, x)
+    if not torch.equal(got, want_ag):
+        failures.append("all_gather")
+    for compress in (None, "bf16"):
+        got = torch.empty(n)
+        dist.reduce_scatter_tensor(got, x.clone(), compress=compress)
+        if not torch.equal(got, want_rs):
+            failures.append(f"reduce_scatter compress={compress}")
+    for src in range(world):
+        a, b = x.clone(), x.clone()
+        dist.broadcast(a, src=src)
+        tdist.broadcast(b, src=src)
+        if not torch.equal(a, b):
+            failures.append(f"broadcast from {src}")
+    if {r.algorithm.split("+")[0] for r in rec.comm} != {"hier"}:
+        failures.append(f"not all hierarchical: {sorted({r.algorithm for r in rec.comm})}")
+    # the same algorithms called directly on nodes listed in descending order inside each node
+    other = Topology.from_nodes(((1, 0), (3, 2)), rank)
+    groups = torch_groups(other, shm=False)
+    got = x.clone()
+    hierarchical.hierarchical_all_reduce(got, "SUM", other, groups=groups, chunk_bytes=64 * 1024)
+    if not torch.equal(got, want_ar):
+        failures.append("direct all_reduce nodes=((1,0),(3,2))")
+    got = torch.empty_like(want_ag)
+    hierarchical.hierarchical_all_gather(got, x, other, groups=groups, chunk_bytes=64 * 1024)
+    if not torch.equal(got, want_ag):
+        failures.append("direct all_gather nodes=((1,0),(3,2))")
+    got = torch.empty(n)
+    hierarchical.hierarchical_reduce_scatter(got, x.clone(), "SUM", other, groups=groups, chunk_bytes=64 * 1024)
+    if not torch.equal(got, want_rs):
+        failures.append("direct reduce_scatter nodes=((1,0),(3,2))")
+    return failures
+
+
+@pytest.mark.slow
+def test_nodes_whose_members_are_not_in_rank_order():
+    """Hosts A, B, B, A give nodes (0, 3) and (1, 2): the slot tier of local rank 1 is (3, 2) in node order."""
+    out = run_processes(_layouts, 4, env={"MEMRT_TOPOLOGY": "0,3;1,2", "MEMRT_COMM": "hier"}, timeout=300)
+    assert out == [[]] * 4, out

@@ -146,6 +146,28 @@ def test_tier_bytes_per_algorithm():
     assert predict("hier+bf16", n, nodes, model()) < predict("hier", n, nodes, model())
 
 
+def test_compressed_reduce_scatter_cost_and_bytes():
+    """A compressed reduce-scatter sends the codec's share of the exact inter bytes and is predicted faster on
+    a slow link, slower when encoding costs more than the link saves."""
+    nodes = ((0, 1), (2, 3))
+    n = 64 << 20
+    exact = tier_bytes("hier", n, nodes, 0, op="reduce_scatter")
+    assert exact == {"intra": n // 4 * 2, "inter": n // 4}
+    assert tier_bytes("hier+int8", n, nodes, 0, op="reduce_scatter") == {"intra": exact["intra"], "inter": n // 16}
+    assert tier_bytes("hier+bf16", n, nodes, 3, op="reduce_scatter")["inter"] == n // 8
+    t = {a: predict(a, n, nodes, model(), op="reduce_scatter") for a in ("hier", "hier+bf16", "hier+int8")}
+    assert t["hier+int8"] < t["hier+bf16"] < t["hier"], t
+    slow_codec = model(inter_bw=100e9, shared_factor=1.0, codec=1e-8)
+    assert predict("hier+int8", n, nodes, slow_codec, op="reduce_scatter") > predict("hier", n, nodes, slow_codec,
+                                                                                    op="reduce_scatter")
+    from memrt.comm.select import choose
+
+    topo = SimpleNamespace(nodes=[[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="no cost model"):
+        predict("hier+int8", n, nodes, model(), op="all_gather")
+    assert choose("reduce_scatter", n, torch.float32, topo, model=model()).algorithm in ("flat", "hier")
+
+
 def test_cache_key_and_path(tmp_path):
     k1 = topology_key(((0, 1), (2, 3)), ("cpu",) * 4, ["h1|10.0.0.1"] * 2 + ["h2|10.0.0.2"] * 2)
     k2 = topology_key(((0, 1), (2, 3)), ("cpu",) * 4, ["h1|10.0.0.1"] * 2 + ["h3|10.0.0.3"] * 2)

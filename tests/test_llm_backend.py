@@ -132,6 +132,28 @@ def test_fsdp2_collectives_through_memrt(world, tmp_path):
             assert _by_op(custom[rank]["log"])[("reduce_scatter", "hier")], "custom comms must log too"
 
 
+def test_fsdp2_gradients_compressed_on_the_slow_tier(tmp_path):
+    """MEMRT_COMPRESS under MEMRT=1: FSDP2's gradient reduce-scatter crosses the fake nodes in bf16 / int8
+    (hier+<codec> in the comm log, fewer inter-tier bytes), the all-gathers stay exact, the loss follows stock."""
+    steps = 24
+    stock = _run(W.fsdp_train, 4, "gloo", False, steps)
+    for codec, ratio in (("bf16", 0.5), ("int8", 0.26)):
+        run = _run(W.fsdp_train, 4, "gloo", True, steps, MEMRT="1", MEMRT_COMPRESS=codec, MEMRT_BALANCE="off",
+                   MEMRT_REPORT_DIR=str(tmp_path / codec))
+        for rank in range(4):
+            ops = _by_op(run[rank]["log"])
+            recs = ops[("reduce_scatter", f"hier+{codec}")]
+            assert len(recs) == 3 * steps, {k: len(v) for k, v in ops.items()}
+            assert all(0 < r["tier_bytes"]["inter"] <= ratio * r["nbytes"] / 4 + 64 for r in recs), recs[0]
+            assert not any(a.startswith("hier+") for (o, a) in ops if o != "reduce_scatter")  # all-gathers exact
+            assert run[rank]["losses"][0] == stock[rank]["losses"][0]  # no compressed gradient applied yet
+        # the loss over every rank and the last pass over the 4 batches: within 1% of stock's, and falling
+        first, last, ref = (sum(sum(r["losses"][s]) for r in rs) / 16 for rs, s in
+                            ((stock, slice(0, 4)), (run, slice(-4, None)), (stock, slice(-4, None))))
+        assert abs(last - ref) <= 0.01 * ref, (codec, last, ref)
+        assert last < 0.95 * first, (codec, first, last)
+
+
 def test_fsdp2_compiled_through_memrt(tmp_path):
     stock = run_processes(W.fsdp_train, 2, "gloo", False, 3, True, init_process_group=False, timeout=280)
     memrt = run_processes(W.fsdp_train, 2, "gloo", True, 3, True, env={"MEMRT": "1", "MEMRT_COMM": "flat", "MEMRT_REPORT_DIR": str(tmp_path)},

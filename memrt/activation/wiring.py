@@ -272,6 +272,15 @@ def note_fully_shard(sess: Session, module: Any) -> None:
     from memrt.comm.backend import default_is_memrt
 
     comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
+    compress = sess.config.compress
+    if compress not in (None, "none") and sess.config.comm != "off":
+        try:  # the module's own reduce-scatter: error feedback per parameter group
+            from memrt.comm.fsdp_comms import MemrtReduceScatter
+
+            module.set_custom_reduce_scatter(MemrtReduceScatter(compress, owner=("fsdp2", id(module))))
+            comm = f"memrt.comm reduce-scatter (compress={compress})"
+        except Exception as exc:  # noqa: BLE001
+            _session.fail("FSDP2 gradient compression", exc)
     entry: dict[str, Any] = {"kind": "fsdp2", "module": type(module).__name__,
                              "parameters": sum(p.numel() for p in module.parameters()),
                              "memory": "planned with the module that shards it and its blocks", "comm_hook": comm,

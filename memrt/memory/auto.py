@@ -10,8 +10,10 @@ is profiled (every unit recomputed, so it needs no more memory than checkpointin
 is made at the start of the next step and is in force from then on; that step's peak is measured
 (CUDA: allocator statistics; CPU: the tracker and the resident peak) and, over budget, the plan is
 remade with the overshoot held back (at most ``MAX_TRIES`` plans), else :class:`memrt.BudgetError` reports
-what was measured. An overshoot only resident memory shows (the tensors fit) that no plan removes keeps
-the plan in force with one warning.
+what was measured. A compiled step for which the eager profile's model finds no plan runs with every unit
+recomputed once and is measured: inductor's graph may fit where the eager profile says it cannot. An
+overshoot only resident memory shows (the tensors fit) that no plan removes keeps the plan in force with
+one warning.
 Plans are cached per (structure, input signature, dtype, device, budget).
 
 When training steps come with different input shapes, plans are made per shape bucket
@@ -37,7 +39,7 @@ from memrt.memory.buckets import (Shape, bucket_shapes, grows, input_shapes, sca
 from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
 from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, make_meter, on_optimizer_step,
                                 owns_parameters, resident_bytes, watch_optimizers)
-from memrt.memory.planner import Plan, plan as make_plan
+from memrt.memory.planner import Plan, plan as make_plan, recompute_all_plan
 from memrt.memory.profile import Profile, ProfileSession, model_device
 from memrt.memory.units import expect_module, find_units, structure_key
 
@@ -310,10 +312,37 @@ class _State:
                                self.signature, profile.signature)
                 self._make_plan(profile, margin=margin, tries=tries, scale=1.0)
                 return
+            if self._try_floor_compiled(profile):
+                return
             self.entry = None
             self.key = None
             self.handle.set_plan(None)
             raise
+        self._use_plan(p, profile, tries=tries, scale=scale)
+
+    def _try_floor_compiled(self, profile: Profile) -> bool:
+        """A compiled step for which the eagerly profiled memory model finds no plan under the budget: run
+        every unit recomputed once and let certification measure its compiled step. Inductor's graphs often
+        need less than the eager profile says (fused kernels free intermediates sooner); and where the eager
+        model keeps a unit for free (the last block, whose backward runs first), a compiled backward may
+        recompute the other units while that unit's tensors are still held, so under compile recomputing every
+        unit is the floor. If it does not fit, the BudgetError names its measured peak as the smallest
+        feasible budget."""
+        if not self.handle.inst.compiled_step or self.budget is None or \
+                (self.entry is not None and self.entry.plan.floor_trial):
+            return False
+        p = recompute_all_plan(profile, self.budget)
+        capacity = device_capacity_bytes(self.device)
+        if capacity is not None and p.predicted_peak_bytes > capacity:  # not worth a try that may run out of memory
+            return False
+        logger.warning("memrt: the memory model predicts no plan under the budget %d bytes for this compiled step "
+                       "(smallest %d bytes from the eager profile); measuring the compiled step with every unit "
+                       "recomputed", self.budget, p.min_feasible_bytes)
+        p.floor_trial = True
+        self._use_plan(p, profile, tries=MAX_TRIES, scale=1.0)  # a miss is final: no plan saves more
+        return True
+
+    def _use_plan(self, p: Plan, profile: Profile, *, tries: int, scale: float) -> None:
         p.tries = tries
         p.shape_scale = scale
         p.signature = self.signature
@@ -342,6 +371,9 @@ class _State:
         if p.tries >= MAX_TRIES:
             self.key, self.entry = None, None
             self.handle.set_plan(None)
+            if p.floor_trial:  # the compiled step's floor, measured (_try_floor_compiled)
+                raise BudgetError(self.budget, measured, f"the compiled step with every unit recomputed "
+                                  f"measured {measured} bytes (the eager profile predicted {p.predicted_peak_bytes})")
             raise BudgetError(self.budget, measured + p.margin_bytes,
                               f"measured peak {measured} bytes exceeds the budget by {over} bytes after "
                               f"{p.tries} plans (predicted {p.predicted_peak_bytes}); the error term of the "

@@ -90,9 +90,11 @@ def _status_bytes(field: str) -> int:
 
 
 def _graphs_compiled() -> int:
+    """A count that moves whenever torch compiles: dynamo's frames, and AOTAutograd / inductor, which compile
+    a graph's backward lazily, in the first backward that runs it (dynamo's own counters stay still then)."""
     from torch._dynamo.utils import counters
 
-    return int(sum(counters["stats"].values()))
+    return int(sum(sum(c.values()) for c in counters.values()))
 
 
 class _RssSampler:
@@ -150,7 +152,8 @@ class CompiledCpuMeter:
 
     @property
     def valid(self) -> bool:
-        """False when dynamo compiled during the step: compiling's own memory is not the step's."""
+        """False when torch compiled during the step (forward or backward graph): compiling's own memory is not
+        the step's."""
         return _graphs_compiled() == self._graphs
 
     def start(self, extra: Any = ()) -> None:

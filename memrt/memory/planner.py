@@ -92,6 +92,9 @@ class Plan:
     """CPU: bytes by which the step's resident peak exceeded the budget while its tensors fitted, when no
     plan removed that excess (memory outside torch's tensors: library scratch, allocator memory); the plan
     was kept with a warning. None: the resident peak fitted, or was not read."""
+    floor_trial: bool = False
+    """True when this is the plan that saves the most, put in force for a compiled step although the eager
+    profile's model predicts it over the budget: its measured compiled step decides (memrt.memory.auto)."""
     shape_scale: float = 1.0
     """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
     shape of its shape bucket (1.0: planned for the profiled shape)."""
@@ -348,6 +351,35 @@ def min_feasible_budget(profile: Profile, *, offload: str | None = None, bandwid
     return _peak(m, res[0])
 
 
+def _plan_of(profile: Profile, m: _Model, pick: Sequence[int], budget: int | None, *, keep_all: int,
+             min_feasible: int, margin_bytes: int, t0: float) -> Plan:
+    """The Plan that takes option ``pick[k]`` for unit call k."""
+    units = []
+    for k, (u, j) in enumerate(zip(profile.units, pick)):
+        o = m.options[k][j]
+        moved = o.moved_bytes
+        if moved is None:
+            moved = max(0, u.saved_bytes - o.resident_bytes) if "offload" in o.action else 0
+        units.append(UnitPlan(name=u.name, call=u.call, action=o.action, bytes_kept=int(o.resident_bytes),
+                              bytes_freed=int(max(0, u.saved_bytes - o.resident_bytes)), bytes_moved=int(moved),
+                              added_seconds=float(o.added_seconds)))
+    return Plan(units=units, budget_bytes=None if budget is None else int(budget), predicted_peak_bytes=_peak(m, pick),
+                keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=margin_bytes,
+                planning_seconds=time.perf_counter() - t0, structure=profile.structure,
+                signature=profile.signature, device=profile.device)
+
+
+def recompute_all_plan(profile: Profile, budget: int | None = None) -> Plan:
+    """Every unit call that has a backward recomputed (the others kept), with the model's predictions."""
+    t0 = time.perf_counter()
+    m = _build(profile, base_options)
+    pick = [len(opts) - 1 for opts in m.options]  # base_options: [keep] or [keep, recompute]
+    best = _solve(m, None, "peak", 256)
+    assert best is not None
+    return _plan_of(profile, m, pick, budget, keep_all=_peak(m, [0] * len(m.R)), min_feasible=_peak(m, best[0]),
+                    margin_bytes=0, t0=t0)
+
+
 def predict_peak(profile: Profile, actions: Sequence[str]) -> int:
     """Predicted peak of a step where unit call k takes ``actions[k]`` (keep/recompute)."""
     m = _build(profile, base_options)
@@ -393,19 +425,8 @@ def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int
                               + (f"; {margin_bytes} bytes held back after a measured overshoot" if margin_bytes else ""),
                               keep_all_bytes=keep_all + int(margin_bytes))
         pick = res[0] if res is not None else best_peak[0]  # thinning can hide a fit the peak solve found
-    units = []
-    for k, (u, j) in enumerate(zip(profile.units, pick)):
-        o = m.options[k][j]
-        moved = o.moved_bytes
-        if moved is None:
-            moved = max(0, u.saved_bytes - o.resident_bytes) if "offload" in o.action else 0
-        units.append(UnitPlan(name=u.name, call=u.call, action=o.action, bytes_kept=int(o.resident_bytes),
-                              bytes_freed=int(max(0, u.saved_bytes - o.resident_bytes)), bytes_moved=int(moved),
-                              added_seconds=float(o.added_seconds)))
-    result = Plan(units=units, budget_bytes=None if budget is None else int(budget), predicted_peak_bytes=_peak(m, pick),
-                  keep_all_peak_bytes=keep_all, min_feasible_bytes=min_feasible, margin_bytes=int(margin_bytes),
-                  planning_seconds=time.perf_counter() - t0, structure=profile.structure,
-                  signature=profile.signature, device=profile.device)
+    result = _plan_of(profile, m, pick, budget, keep_all=keep_all, min_feasible=min_feasible,
+                      margin_bytes=int(margin_bytes), t0=t0)
     if offload not in (None, "none") and not all(source.admit(result, config) for source in option_sources()):
         return plan(profile, budget, margin_bytes=margin_bytes, offload=offload, bandwidths=bandwidths,
                     extra_options=extra_options, resolution=resolution, config=config)
