@@ -40,34 +40,31 @@ def _compiled_arm(w: mf.Workload, name: str, run_blocks: Any) -> mf.Arm:
     return mf._new_arm(w, name, lambda m: torch.compile(mf._blockwise(w, m, run_blocks)))
 
 
-def _warm(w: mf.Workload, arm: mf.Arm, steps: int) -> None:
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        mf._step(w, arm)
-    arm.note = (arm.note + "; " if arm.note else "") + f"compile+{steps} steps {time.perf_counter() - t0:.0f} s"
-
-
 MAX_WARM_STEPS = 12
 """Steps a memrt arm may take to certify its plan: profile, then per plan tried one step that recompiles
 (not measured) and one measured step, certified when the next one begins; up to three plans and the floor."""
 
 
-def _warm_until_certified(w: mf.Workload, arm: mf.Arm) -> None:
-    """Compile, profile, plan, re-plan and certify: steps until memrt's plan has a measured peak (then one
-    more, which certifies it), so that no re-plan falls into the timed steps."""
+def _warm(w: mf.Workload, arm: mf.Arm, steps: int, *, until_certified: bool = False) -> None:
+    """``steps`` steps (compile and warm up); ``until_certified`` (memrt's arms): then on until memrt's plan has
+    a measured peak, and one more step, which certifies it, so that no re-plan falls into the timed steps."""
     import memrt
 
     t0 = time.perf_counter()
-    steps = 0
-    while steps < MAX_WARM_STEPS:
+    done = 0
+    while done < MAX_WARM_STEPS:
         mf._step(w, arm)
-        steps += 1
-        plan = memrt.plan_of(arm.model)
-        if steps >= 4 and plan is not None and plan.measured_peak_bytes is not None:
-            mf._step(w, arm)
-            steps += 1
+        done += 1
+        if done < steps:
+            continue
+        if not until_certified:
             break
-    arm.note = (arm.note + "; " if arm.note else "") + f"compile+{steps} steps {time.perf_counter() - t0:.0f} s"
+        plan = memrt.plan_of(arm.model)
+        if plan is not None and plan.measured_peak_bytes is not None:
+            mf._step(w, arm)
+            done += 1
+            break
+    arm.note = (arm.note + "; " if arm.note else "") + f"compile+{done} steps {time.perf_counter() - t0:.0f} s"
 
 
 def compiled_arms(w: mf.Workload, *, memrt_budgets: list[int], compile_budgets: list[float]) -> tuple[list[mf.Arm], list[dict]]:
@@ -90,7 +87,7 @@ def compiled_arms(w: mf.Workload, *, memrt_budgets: list[int], compile_budgets: 
             arm = mf._new_arm(w, name, lambda m: m)
             memrt.auto(arm.model, budget=int(b), offload="none")
             arm.forward = torch.compile(arm.model)
-            _warm_until_certified(w, arm)
+            _warm(w, arm, 4, until_certified=True)
             plan = memrt.plan_of(arm.model)
             if plan is not None:
                 kinds = sorted({u.action for u in plan.units})

@@ -74,13 +74,7 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
     algorithm, predicted, _, _ = decide("all_reduce", nbytes, tensor.dtype, op)
     if algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
-    reason = ""
-    if codec not in (None, "none") and STATE.groups is not None and STATE.topology.num_nodes > 1 and \
-            tensor.is_floating_point() and opn in ("SUM", "AVG"):  # compression asked for: inter hop only
-        from memrt.comm.compress import choose_codec
-
-        chosen = choose_codec(codec, nbytes, tensor.dtype, STATE.topology, algorithm, predicted, STATE.config.comm)
-        algorithm, predicted, reason = chosen.algorithm, chosen.predicted_seconds, chosen.reason
+    algorithm, predicted, reason = _with_codec("all_reduce", codec, tensor, opn, nbytes, algorithm, predicted)
     if STATE.mpi is not None and tensor.device.type == "cpu":
         mpi_algo = "hier" if algorithm.startswith("hier") else "flat"
         return run_own("all_reduce", tensor, nbytes, mpi_algo + "@mpi", predicted,
@@ -98,6 +92,20 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
                        async_op, [tensor], opn.lower(), reason)
     return run_flat("all_reduce", tensor, nbytes,
                     lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
+
+
+def _with_codec(op: str, codec: str | None, t: torch.Tensor, opn: str, nbytes: int, algorithm: str,
+                predicted: float | None, *, eligible: bool = True) -> tuple[str, float | None, str]:
+    """(algorithm, predicted seconds, reason) once the caller's ``codec`` is resolved: the exact choice unless
+    compression was asked for a floating-point SUM / AVG across several nodes (and the op's own path can carry
+    it: ``eligible``); then the compressed hierarchical algorithm, inter hop only."""
+    if codec in (None, "none") or not eligible or STATE.groups is None or STATE.topology.num_nodes < 2 or \
+            not t.is_floating_point() or opn not in ("SUM", "AVG"):
+        return algorithm, predicted, ""
+    from memrt.comm.compress import choose_codec
+
+    chosen = choose_codec(codec, nbytes, t.dtype, STATE.topology, algorithm, predicted, STATE.config.comm, op=op)
+    return chosen.algorithm, chosen.predicted_seconds, chosen.reason
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
@@ -217,15 +225,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     algorithm, predicted, _, _ = decide("reduce_scatter", nbytes, input.dtype, op)
     if algorithm == "off":
         return flat_fn(output, input, op, group, async_op)
-    reason = ""
     topo = STATE.topology
-    if compress not in (None, "none") and STATE.groups is not None and topo.num_nodes > 1 and topo.is_uniform and \
-            input.is_floating_point() and opn in ("SUM", "AVG") and output.is_contiguous():
-        from memrt.comm.compress import choose_codec
-
-        chosen = choose_codec(compress, nbytes, input.dtype, topo, algorithm, predicted, STATE.config.comm,
-                              op="reduce_scatter")
-        algorithm, predicted, reason = chosen.algorithm, chosen.predicted_seconds, chosen.reason
+    algorithm, predicted, reason = _with_codec("reduce_scatter", compress, input, opn, nbytes, algorithm, predicted,
+                                               eligible=topo.is_uniform and output.is_contiguous())
     if algorithm.startswith("hier") and output.is_contiguous():
         plug = compressed_inter_scatter(algorithm, key)
         return run_own("reduce_scatter", input, nbytes, algorithm, predicted,

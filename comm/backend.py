@@ -57,7 +57,10 @@ def inner_spec() -> dict[str, str]:
 
 def set_inner_spec(backend: str | None) -> None:
     """The real backend(s) under memrt groups created from now on (:func:`spec_for`)."""
-    spec = spec_for(backend)
+    _use_spec(spec_for(backend))
+
+
+def _use_spec(spec: dict[str, str]) -> None:
     _inner.clear()
     _inner.update(spec)
 
@@ -166,7 +169,7 @@ def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str,
     spec = spec_for(name)
     if when == "auto" and spec.get("cuda") == "nccl":
         return args, kwargs, False
-    set_inner_spec(name)
+    _use_spec(spec)
     register()
     if args:
         args = (BACKEND_NAME,) + tuple(args[1:])

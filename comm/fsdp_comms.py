@@ -70,6 +70,11 @@ class MemrtReduceScatter(_ReduceScatter):
         self.compress = None if compress in (None, "none") else compress
         self.owner = owner
 
+    @classmethod
+    def for_module(cls, module: torch.nn.Module, compress: str | None = None) -> "MemrtReduceScatter":
+        """The reduce-scatter of one ``fully_shard`` module: its residuals are its own."""
+        return cls(compress, owner=("fsdp2", id(module)))
+
     def _key(self, input_tensor: torch.Tensor) -> Any:
         if self.compress is None or self.owner is None:
             return None
@@ -117,7 +122,7 @@ def use_memrt_comms(model: torch.nn.Module, *, compress: str | None = None, all_
         if isinstance(module, FSDPModule):
             if all_gather:
                 module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(MemrtReduceScatter(compress, owner=("fsdp2", id(module))))
+            module.set_custom_reduce_scatter(MemrtReduceScatter.for_module(module, compress))
             count += 1
     if count == 0:
         raise ValueError("use_memrt_comms: the model holds no fully_shard (FSDP2) module: call fully_shard first")

@@ -78,16 +78,15 @@ def predict(algorithm: str, nbytes: int, nodes: tuple[tuple[int, ...], ...], mod
                  ("all_gather", "hier"): lambda: opcost.hierarchical_all_gather(nodes, nbytes, model),
                  ("reduce_scatter", "flat"): lambda: opcost.flat_reduce_scatter(nodes, nbytes, model, backend=backend),
                  ("reduce_scatter", "hier"): lambda: opcost.hierarchical_reduce_scatter(nodes, nbytes, model),
-                 ("reduce_scatter", "hier+"): lambda: opcost.hierarchical_reduce_scatter(
+                 ("reduce_scatter", "hier+codec"): lambda: opcost.hierarchical_reduce_scatter(
                      nodes, nbytes, model, codec=algorithm[5:], element_size=element_size),
                  ("broadcast", "flat"): lambda: opcost.flat_broadcast(nodes, nbytes, model, src=src),
                  ("broadcast", "hier"): lambda: opcost.hierarchical_broadcast(nodes, nbytes, model)}
-        if op == "reduce_scatter" and algorithm.startswith("hier+"):
-            return table[op, "hier+"]()
-        if (op, algorithm) not in table:
+        entry = (op, "hier+codec" if algorithm.startswith("hier+") else algorithm)
+        if entry not in table:
             raise ValueError(f"op={op!r} with algorithm={algorithm!r} has no cost model: expected all_reduce, "
                              "all_gather, reduce_scatter or broadcast with flat or hier")
-        return table[op, algorithm]()
+        return table[entry]()
     if algorithm == "flat":
         return cm.flat_all_reduce(nodes, nbytes, model)
     if algorithm == "hier":

@@ -88,9 +88,9 @@ class TorchTier:
         if self._member_at is None:
             return fn(out, inp, group=self.handle, async_op=True)
         recv = torch.empty_like(out)
+        splits = [out.numel() // self.size] * self.size
         work = fn(recv, inp, group=self.handle, async_op=True)
-        return _Reordered(work, recv, [out.numel() // self.size] * self.size, self._member_at,
-                          _pieces(out, [out.numel() // self.size] * self.size))
+        return _Reordered(work, recv, splits, self._member_at, _pieces(out, splits))
 
     def all_reduce(self, t, op):
         import torch.distributed as dist

@@ -277,7 +277,7 @@ def note_fully_shard(sess: Session, module: Any) -> None:
         try:  # the module's own reduce-scatter: error feedback per parameter group
             from memrt.comm.fsdp_comms import MemrtReduceScatter
 
-            module.set_custom_reduce_scatter(MemrtReduceScatter(compress, owner=("fsdp2", id(module))))
+            module.set_custom_reduce_scatter(MemrtReduceScatter.for_module(module, compress))
             comm = f"memrt.comm reduce-scatter (compress={compress})"
         except Exception as exc:  # noqa: BLE001
             _session.fail("FSDP2 gradient compression", exc)

@@ -328,8 +328,7 @@ class _State:
         recompute the other units while that unit's tensors are still held, so under compile recomputing every
         unit is the floor. If it does not fit, the BudgetError names its measured peak as the smallest
         feasible budget."""
-        if not self.handle.inst.compiled_step or self.budget is None or \
-                (self.entry is not None and self.entry.plan.floor_trial):
+        if not self.handle.inst.compiled_step or self.budget is None:
             return False
         p = recompute_all_plan(profile, self.budget)
         capacity = device_capacity_bytes(self.device)

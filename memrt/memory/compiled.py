@@ -41,7 +41,6 @@ def compiled_action(action: str) -> str:
     return action if action in COMPILED_ACTIONS else "recompute"
 
 
-
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 

@@ -42,9 +42,9 @@ class Instrumentation:
         self.on_other = on_other
         self.on_output = on_output
         self.compiled_actions: dict[str, str] = {}
+        """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
         self.compiled_fallbacks: dict[str, str] = {}
         """Units a compiled step recomputes instead of their planned action (unit name -> that action)."""
-        """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
         self.compiled_step = False
         """Whether the step that began last is being compiled by dynamo."""
         if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen

@@ -93,8 +93,8 @@ class Plan:
     plan removed that excess (memory outside torch's tensors: library scratch, allocator memory); the plan
     was kept with a warning. None: the resident peak fitted, or was not read."""
     floor_trial: bool = False
-    """True when this is the plan that saves the most, put in force for a compiled step although the eager
-    profile's model predicts it over the budget: its measured compiled step decides (memrt.memory.auto)."""
+    """True for every unit recomputed, put in force for a compiled step although the eager profile's model
+    predicts it over the budget: its measured compiled step decides (memrt.memory.auto)."""
     shape_scale: float = 1.0
     """Factor the profile's activation bytes were scaled by, so that the plan holds for the largest input
     shape of its shape bucket (1.0: planned for the profiled shape)."""
