@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
@@ -55,11 +55,13 @@ def all_reduce(tensor: torch.Tensor, op: Any = tdist.ReduceOp.SUM, group: Any = 
 
 
 def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *, key: Any = None,
-                    codec: str | None = None):
+                    codec: str | None = None, flat: Callable[[], Any] | None = None):
     """:func:`all_reduce` without fusion, for memrt's own callers (the DDP hook, fused buffers, the backend).
 
     ``codec``: compression of the inter hop asked by the caller (None/'none': exact); ``key``: the
-    caller's gradient buffer (a compress.FeedbackKey) for error feedback, None for none."""
+    caller's gradient buffer (a compress.FeedbackKey) for error feedback, None for none; ``flat``: how to
+    run the flat algorithm when it is chosen (memrt's process group: its real backend's call, returning a
+    Work, without a second trip through torch.distributed), default torch.distributed's all_reduce."""
     if not on_world(group):
         return tdist.all_reduce(tensor, op, group, async_op)
     ensure(tensor.device)
@@ -90,8 +92,8 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
                        lambda: alg.hierarchical_all_reduce(tensor, opn, STATE.topology, inter_all_reduce=plug,
                                                            groups=STATE.groups, chunk_bytes=chunk),
                        async_op, [tensor], opn.lower(), reason)
-    return run_flat("all_reduce", tensor, nbytes,
-                    lambda: tdist.all_reduce(tensor, op, group, async_op), async_op, predicted, opn.lower(), reason)
+    return run_flat("all_reduce", tensor, nbytes, flat or (lambda: tdist.all_reduce(tensor, op, group, async_op)),
+                    async_op, predicted, opn.lower(), reason)
 
 
 def _with_codec(op: str, codec: str | None, t: torch.Tensor, opn: str, nbytes: int, algorithm: str,

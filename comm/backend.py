@@ -351,7 +351,8 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         from memrt.comm import api
 
         with passthrough():
-            work = api.all_reduce_with(tensors[0], _red(opts.reduceOp), None, True)
+            work = api.all_reduce_with(tensors[0], _red(opts.reduceOp), None, True,
+                                       flat=lambda: self._be(tensors[0]).allreduce(tensors, opts))
         return _Work(work, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

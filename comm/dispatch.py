@@ -205,6 +205,8 @@ def run_flat(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], a
         raise_diagnosed(name, exc)
     if async_op:
         return RecordedWork(work, finish, name)
+    if work is not None:  # a real backend's call returns its Work even for a blocking caller
+        work.wait()
     finish()
     return None
 

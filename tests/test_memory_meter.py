@@ -6,6 +6,8 @@ import torch
 
 from memrt.memory.meter import CudaMeter
 
+MiB = 2**20
+
 
 class FakeAllocator:
     """Allocated and reserved bytes with their peaks since the last reset, like torch.cuda's counters."""
@@ -38,20 +40,26 @@ class FakeAllocator:
 
 def test_cuda_meter_peak_is_max_reserved_and_segments_are_allocated():
     a = FakeAllocator()
-    a.set(1000, 1000)
+    a.set(1 * MiB, 1 * MiB)
     m = CudaMeter(torch.device("cuda", 0), record=False, stats=a)
     m.start()
-    a.set(5000, 6000)  # a unit's forward: 5000 allocated, the caching allocator holds 6000
-    a.set(2000, 6000)
-    assert m.segment() == (5000, 5000)  # the planner's memory model: allocated bytes
-    a.set(3000, 9000)  # fragmentation: reserved grows while allocated stays below the earlier peak
-    a.set(1500, 9000)
-    assert m.live() == 1500
-    assert m.peak == 9000  # certification: what decides an out-of-memory error
-    m.segment()
+    a.set(5 * MiB, 8 * MiB)  # a unit's forward: 5 MiB allocated, the caching allocator holds 8
+    a.set(2 * MiB, 8 * MiB)
+    assert m.segment() == (8 * MiB, 8 * MiB)  # the memory model: allocated bytes, raised where reserved grew
+    a.set(3 * MiB, 12 * MiB)  # fragmentation: reserved grows while allocated stays below the earlier peak
+    a.set(1 * MiB, 12 * MiB)
+    assert m.live() == 1 * MiB
+    assert m.peak == 12 * MiB  # certification: what decides an out-of-memory error
+    assert m.segment() == (12 * MiB, 12 * MiB)
+    a.set(4 * MiB, 12 * MiB)  # blocks cached earlier serve it: reserved did not grow, the tensors decide
+    a.set(1 * MiB, 12 * MiB)
+    assert m.segment() == (4 * MiB, 4 * MiB)
+    a.set(12 * MiB + 4096, 12 * MiB + 2 * 4096)  # reserved grew by a rounding: granularity, not a transient
+    a.set(1 * MiB, 12 * MiB + 2 * 4096)
+    assert m.segment() == (12 * MiB + 4096, 12 * MiB + 4096)
     m.pause()  # optimizer stepped: what happens after is not the step's
-    a.set(20000, 30000)
-    assert m.peak == 9000 and m.segment() == (1500, 1500)
+    a.set(20 * MiB, 30 * MiB)
+    assert m.peak == 12 * MiB + 2 * 4096 and m.segment() == (1 * MiB, 1 * MiB)
 
 
 def test_cuda_meter_allocated_peak_counts_when_nothing_is_cached():

@@ -39,16 +39,8 @@ def _run_zoo(model: str, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-# ConvNeXt's convolutions take scratch memory outside torch's tensors (oneDNN workspaces, ~12 MB at the tiny
-# size) that the planner's model does not predict. Certification sees it in resident memory; at the zoo's lower
-# budgets no plan removes it, so memrt keeps its plan, warns, and the outside peak stays over the budget by
-# about that much. A known defect, reported as xfail until the planner models per-operator scratch.
-_KNOWN = {"convnext": pytest.mark.xfail(reason="convolution scratch outside torch's tensors is not in the planner's "
-                                               "model: outside peak over budget at low budgets", strict=False)}
-
-
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("model", [pytest.param(n, marks=_KNOWN.get(n, ())) for n in names()])
+@pytest.mark.parametrize("model", names())
 def test_zoo_model_bitwise_and_under_budget(model, tmp_path):
     data = _run_zoo(model, tmp_path)
     arms = data["arms"]

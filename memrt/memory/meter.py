@@ -4,7 +4,9 @@ A meter measures live tensor bytes on the model's device (the budget's quantity)
 segment between two marks, and the "ghost" peak (CPU only: what a unit would hold if its saved tensors
 were kept). CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` with
 ``reset_peak_memory_stats`` at every mark (host-side counters, no device synchronisation); the step's
-peak that certification compares with the budget is the higher of that and ``max_memory_reserved``.
+peak that certification compares with the budget is the higher of that and ``max_memory_reserved``. Both
+raise a segment's peak to the device's own reading where it rose in that segment (CPU: the kernel's
+resident high-water mark; CUDA: reserved bytes), so memory outside the tensors enters the memory model.
 """
 
 from __future__ import annotations
@@ -40,14 +42,21 @@ class Meter:
 
 def status_bytes(field: str) -> int | None:
     """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None where there is none."""
+    return _status_fields(field)[0]
+
+
+def _status_fields(*fields: str) -> list[int | None]:
+    """Size fields of ``/proc/self/status`` read at one moment, in bytes (None where a field is missing)."""
+    found: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                if name in fields:
+                    found[name] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    return [found.get(name) for name in fields]
 
 
 class ResidentPeak:
@@ -63,9 +72,24 @@ class ResidentPeak:
 
     def __init__(self, live_bytes: int) -> None:
         self.live0 = live_bytes
-        self.rss0 = status_bytes("VmRSS")
-        self.hwm0 = status_bytes("VmHWM")
+        self.rss0, self.hwm0 = _status_fields("VmRSS", "VmHWM")
         self.hwm: int | None = None
+        self._seen = self.hwm0
+
+    def segment_peak(self, live_bytes: int) -> int | None:
+        """The peak of the stretch since the previous call (or the start), in the same units as
+        :attr:`peak`, where the mark rose during that stretch; None where it did not (the stretch stayed
+        below an earlier moment of the process, so its resident peak is not known). ``live_bytes``: the
+        tensors live now. Resident memory that the stretch added and kept beyond its tensors (code pages
+        and library state of first use, allocator arenas) is taken off: it is the process's from then on,
+        not the stretch's, and no plan removes it; what the stretch held and gave back (an operator's
+        scratch) stays."""
+        hwm, rss = _status_fields("VmHWM", "VmRSS")
+        if None in (hwm, rss, self.rss0, self._seen) or hwm <= self._seen:
+            return None
+        self._seen = hwm
+        kept = max(0, (rss - self.rss0) - (live_bytes - self.live0))
+        return self.live0 + hwm - self.rss0 - kept
 
     def end(self) -> None:
         """Read the mark (the first call counts: the step ends when its optimizer has stepped)."""
@@ -77,6 +101,21 @@ class ResidentPeak:
         if None in (self.rss0, self.hwm0, self.hwm) or self.hwm <= self.hwm0:
             return None
         return self.live0 + self.hwm - self.rss0
+
+
+SEGMENT_NOISE_BYTES = 1 << 20
+"""A segment's peak is raised to the device's reading only by more than this: below it the difference is
+allocator granularity (pages, heap arenas, block rounding) that varies with the process's history, and
+a plan must not change with it (certification still measures the whole step)."""
+
+
+def _raised_to(peak: int, ghost: int, high: int | None) -> tuple[int, int]:
+    """A segment's (peak, ghost peak) of tensors raised to ``high``, the device's own reading of that
+    segment's peak (resident or reserved bytes; None where it has none)."""
+    extra = high - peak if high is not None else 0
+    if extra <= SEGMENT_NOISE_BYTES:
+        return peak, ghost
+    return peak + extra, ghost + extra
 
 
 class CpuMeter(Meter):
@@ -117,7 +156,13 @@ class CpuMeter(Meter):
         return self.tracker.live_bytes
 
     def segment(self) -> tuple[int, int]:
-        return self.tracker.segment()
+        """(peak, ghost peak) of the tensors since the previous segment or mark, each raised by what resident
+        memory showed above the tensors in that stretch where the process's mark rose in it: scratch a
+        library holds outside torch's tensors inside an operator (oneDNN's convolution backward) is then
+        part of the unit's transient, and the plan made from the profile accounts for it."""
+        peak, ghost = self.tracker.segment()
+        live = self.tracker.live_bytes
+        return _raised_to(peak, ghost, self.resident.segment_peak(live) if self.resident is not None else None)
 
     def ghost(self, t: torch.Tensor) -> None:
         self.tracker.ghost(t)
@@ -126,6 +171,8 @@ class CpuMeter(Meter):
         self.tracker.clear_ghosts()
 
     def mark(self, kind: str, label: str = "") -> None:
+        if self.resident is not None:  # a rise before the mark belongs to the stretch it ends, not the next
+            self.resident.segment_peak(self.tracker.live_bytes)
         self.tracker.mark(kind, label)
 
     @property
@@ -173,12 +220,14 @@ class CudaMeter(Meter):
         self.record = record
         self.stats = stats if stats is not None else CudaStats(device)
         self._peak = 0
+        self._reserved_seen = 0
         self._paused_at: int | None = None
 
     def start(self, extra: Iterable[Any] = ()) -> None:
         self.stats.release_cached()
         self.stats.reset_peaks()
         self._peak = max(self.stats.allocated(), self.stats.reserved())
+        self._reserved_seen = self.stats.reserved()
         self._paused_at = None
 
     def _max_now(self) -> int:
@@ -194,12 +243,17 @@ class CudaMeter(Meter):
         return self.stats.allocated()
 
     def segment(self) -> tuple[int, int]:
+        """Allocated bytes' peak since the previous segment, raised to the reserved peak where the allocator
+        reserved more in this segment than it held before (blocks rounded up, fragmentation): the memory
+        model then plans for what decides an out-of-memory error, as certification measures it."""
         if self._paused_at is not None:
             return self._paused_at, self._paused_at
-        p = self.stats.max_allocated()
-        self._peak = max(self._peak, p, self.stats.max_reserved())
+        p, r = self.stats.max_allocated(), self.stats.max_reserved()
+        self._peak = max(self._peak, p, r)
         self.stats.reset_peaks()
-        return p, p
+        grew = r > self._reserved_seen
+        self._reserved_seen = max(self._reserved_seen, r)
+        return _raised_to(p, p, r if grew else None)
 
     def mark(self, kind: str, label: str = "") -> None:
         p, _ = self.segment()

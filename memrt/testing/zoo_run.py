@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--fractions", default=None,
                    help="memrt budgets between the model's own checkpointing (0) and none (1); default: "
-                        "memrt.testing.zoo.budget_fractions (0.25,0.5,0.75; ConvNeXt 0.03,0.06,0.5)")
+                        "memrt.testing.zoo.budget_fractions (0.25,0.5,0.75)")
     p.add_argument("--refs", default="none,ckpt1", help="reference arms to run (none and ckpt1 are needed)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--time-rounds", type=int, default=0, help="interleaved timing rounds of every arm (0: none)")
