@@ -201,12 +201,12 @@ def run_flat(name: str, t: torch.Tensor, nbytes: int, call: Callable[[], Any], a
     try:  # passthrough: a memrt process group underneath runs this flat call as it is (no second routing)
         with (STATE.health.inside(name) if STATE.health is not None else contextlib.nullcontext()), passthrough():
             work = call()
+            if not async_op and work is not None:  # a real backend's call returns its Work to a blocking caller too
+                work.wait()
     except Exception as exc:  # noqa: BLE001
         raise_diagnosed(name, exc)
     if async_op:
         return RecordedWork(work, finish, name)
-    if work is not None:  # a real backend's call returns its Work even for a blocking caller
-        work.wait()
     finish()
     return None
 

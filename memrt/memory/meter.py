@@ -75,15 +75,19 @@ class ResidentPeak:
         self.rss0, self.hwm0 = _status_fields("VmRSS", "VmHWM")
         self.hwm: int | None = None
         self._seen = self.hwm0
+        self._last: int | None = None
 
     def segment_peak(self, live_bytes: int) -> int | None:
         """The peak of the stretch since the previous call (or the start), in the same units as
         :attr:`peak`, where the mark rose during that stretch; None where it did not (the stretch stayed
         below an earlier moment of the process, so its resident peak is not known). ``live_bytes``: the
-        tensors live now. Resident memory that the stretch added and kept beyond its tensors (code pages
-        and library state of first use, allocator arenas) is taken off: it is the process's from then on,
-        not the stretch's, and no plan removes it; what the stretch held and gave back (an operator's
-        scratch) stays."""
+        tensors live now. Resident memory the step has added and kept beyond its tensors up to now (code
+        pages and library state of first use, allocator arenas; the mark includes it too) is taken off: it is
+        the process's from then on, not a transient, and no plan removes it; what the stretch held and gave
+        back (an operator's scratch) stays. After :meth:`end`, the reading taken there, once."""
+        if self.hwm is not None:
+            last, self._last = self._last, None
+            return last
         hwm, rss = _status_fields("VmHWM", "VmRSS")
         if None in (hwm, rss, self.rss0, self._seen) or hwm <= self._seen:
             return None
@@ -91,9 +95,13 @@ class ResidentPeak:
         kept = max(0, (rss - self.rss0) - (live_bytes - self.live0))
         return self.live0 + hwm - self.rss0 - kept
 
-    def end(self) -> None:
-        """Read the mark (the first call counts: the step ends when its optimizer has stepped)."""
+    def end(self, live_bytes: int | None = None) -> None:
+        """Read the mark (the first call counts: the step ends when its optimizer has stepped); with
+        ``live_bytes``, also the open stretch's reading, which :meth:`segment_peak` returns next (what the
+        process does after the step is not the step's)."""
         if self.hwm is None:
+            if live_bytes is not None:
+                self._last = self.segment_peak(live_bytes)
             self.hwm = status_bytes("VmHWM")
 
     @property
@@ -103,17 +111,17 @@ class ResidentPeak:
         return self.live0 + self.hwm - self.rss0
 
 
-SEGMENT_NOISE_BYTES = 1 << 20
+SEGMENT_NOISE_BYTES = {"cpu": 1 << 20, "cuda": 2 << 20}
 """A segment's peak is raised to the device's reading only by more than this: below it the difference is
-allocator granularity (pages, heap arenas, block rounding) that varies with the process's history, and
-a plan must not change with it (certification still measures the whole step)."""
+allocator granularity (CPU: pages and heap arenas; CUDA: the caching allocator's 2 MiB rounding) that
+varies with the process's history, and a plan must not change with it (certification still measures the
+whole step)."""
 
 
-def _raised_to(peak: int, ghost: int, high: int | None) -> tuple[int, int]:
-    """A segment's (peak, ghost peak) of tensors raised to ``high``, the device's own reading of that
-    segment's peak (resident or reserved bytes; None where it has none)."""
-    extra = high - peak if high is not None else 0
-    if extra <= SEGMENT_NOISE_BYTES:
+def _raised_to(peak: int, ghost: int, extra: int, device: str) -> tuple[int, int]:
+    """A segment's (peak, ghost peak) of tensors raised by ``extra``, what the device's own reading of the
+    segment showed above them (resident or reserved bytes), where that exceeds the device's noise."""
+    if extra <= SEGMENT_NOISE_BYTES[device]:
         return peak, ghost
     return peak + extra, ghost + extra
 
@@ -133,15 +141,15 @@ class CpuMeter(Meter):
         self.resident = ResidentPeak(self.tracker.live_bytes)
 
     def stop(self) -> None:
-        self.tracker.stop()
         if self.resident is not None:
-            self.resident.end()
+            self.resident.end(self.tracker.live_bytes)
+        self.tracker.stop()
 
     def pause(self) -> None:
         """Stop counting new tensors; frees of counted ones still lower the live bytes."""
         self.tracker.pause()
         if self.resident is not None:
-            self.resident.end()
+            self.resident.end(self.tracker.live_bytes)
 
     @property
     def resident_peak(self) -> int | None:
@@ -161,8 +169,8 @@ class CpuMeter(Meter):
         library holds outside torch's tensors inside an operator (oneDNN's convolution backward) is then
         part of the unit's transient, and the plan made from the profile accounts for it."""
         peak, ghost = self.tracker.segment()
-        live = self.tracker.live_bytes
-        return _raised_to(peak, ghost, self.resident.segment_peak(live) if self.resident is not None else None)
+        high = self.resident.segment_peak(self.tracker.live_bytes) if self.resident is not None else None
+        return _raised_to(peak, ghost, 0 if high is None else high - peak, "cpu")
 
     def ghost(self, t: torch.Tensor) -> None:
         self.tracker.ghost(t)
@@ -171,7 +179,7 @@ class CpuMeter(Meter):
         self.tracker.clear_ghosts()
 
     def mark(self, kind: str, label: str = "") -> None:
-        if self.resident is not None:  # a rise before the mark belongs to the stretch it ends, not the next
+        if self.resident is not None:  # a mark drops the stretch's peak (as the tracker's): so is its rise
             self.resident.segment_peak(self.tracker.live_bytes)
         self.tracker.mark(kind, label)
 
@@ -210,10 +218,10 @@ class CudaStats:
 
 
 class CudaMeter(Meter):
-    """Live bytes and segment peaks from the allocator's allocated bytes (what the planner's memory model
-    counts); :attr:`peak`, what certification compares with the budget, also covers the allocator's
-    reserved bytes (``max_memory_reserved``: allocated blocks plus the cached and fragmented ones, what
-    decides an out-of-memory error)."""
+    """Live bytes and segment peaks from the allocator's allocated bytes, a segment's raised by the reserved
+    bytes it newly needed (:meth:`segment`); :attr:`peak`, what certification compares with the budget,
+    covers the allocator's reserved bytes (``max_memory_reserved``: allocated blocks plus the cached and
+    fragmented ones, what decides an out-of-memory error)."""
 
     def __init__(self, device: torch.device, *, record: bool = True, stats: CudaStats | None = None) -> None:
         self.device = device
@@ -243,17 +251,19 @@ class CudaMeter(Meter):
         return self.stats.allocated()
 
     def segment(self) -> tuple[int, int]:
-        """Allocated bytes' peak since the previous segment, raised to the reserved peak where the allocator
-        reserved more in this segment than it held before (blocks rounded up, fragmentation): the memory
-        model then plans for what decides an out-of-memory error, as certification measures it."""
+        """Allocated bytes' peak since the previous segment, raised by what the allocator newly reserved in
+        it beyond those bytes (blocks rounded up, fragmentation; at most the growth of reserved bytes, so
+        blocks cached by earlier segments are not charged to this one): the memory model then plans for
+        what decides an out-of-memory error, as certification measures it. After :meth:`pause`, the frozen
+        allocated peak (what follows the optimizer step is not the step's)."""
         if self._paused_at is not None:
             return self._paused_at, self._paused_at
         p, r = self.stats.max_allocated(), self.stats.max_reserved()
         self._peak = max(self._peak, p, r)
         self.stats.reset_peaks()
-        grew = r > self._reserved_seen
+        extra = min(r - p, r - self._reserved_seen)
         self._reserved_seen = max(self._reserved_seen, r)
-        return _raised_to(p, p, r if grew else None)
+        return _raised_to(p, p, extra, "cuda")
 
     def mark(self, kind: str, label: str = "") -> None:
         p, _ = self.segment()
