@@ -119,13 +119,19 @@ _JOB = textwrap.dedent("""
 """)
 
 
-def _job(*args: object) -> dict:
+def _fresh(script: str, *args: object, timeout: float = 300) -> dict:
+    """Run ``script`` in a fresh process (glibc returning large blocks at once, no MEMRT settings); its last
+    stdout line, as JSON."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     env = {k: v for k, v in env.items() if not k.startswith("MEMRT")}
-    proc = subprocess.run([sys.executable, "-c", _JOB, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _job(*args: object) -> dict:
+    return _fresh(_JOB, *args)
 
 
 SCRATCH = 40 * MiB
@@ -237,12 +243,7 @@ _COMPILED_METER = textwrap.dedent("""
 def test_compiled_cpu_meter_reads_the_step_peak_without_resetting_the_mark():
     """The meter of compiled CPU steps: exact when the step raises the high-water mark, sampled when an earlier
     moment was higher; never resets the mark (a reset drops ``VmHWM`` to the current RSS)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    env = {k: v for k, v in env.items() if not k.startswith("MEMRT")}
-    proc = subprocess.run([sys.executable, "-c", _COMPILED_METER], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = _fresh(_COMPILED_METER, timeout=120)
     assert got["hwm_kept"] and got["maxrss_not_lowered"], got
     assert 55 * MiB <= got["below_mark"] <= 70 * MiB, got  # sampled: the 60 MiB held for 50 ms
     assert 255 * MiB <= got["above_mark"] <= 270 * MiB, got  # the mark rose: exact
