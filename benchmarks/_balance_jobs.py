@@ -35,31 +35,40 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-BATCH = 256
-"""Per-rank batch b of the job (global batch b x world): large enough that per-step fixed costs (all-reduce,
-optimizer step) stay small next to compute, as in training jobs that care about throughput."""
+BATCH = 1024
+"""Per-rank batch b of the job (global batch b x world): large enough that per-step fixed costs (the 3.4 MB
+gradient all-reduce, the optimizer step) stay small next to compute, as in training jobs that care about
+throughput (at b = 256 the all-reduce alone is about a third of an equal-ranks step on this 2-core machine)."""
+
+CAP_THREADS = ("compute", "process")
+"""What a cap slows: the rank's compute thread only (its communication threads run free, as a slow
+accelerator slows its compute, not its network), or the whole process (communication at the capped speed
+too, like a CPU-only helper rank)."""
 
 
-def _job_args(quick: bool, out: Path, standalone: bool = False) -> list[str]:
+def _job_args(quick: bool, out: Path, standalone: bool = False, batch: int = BATCH) -> list[str]:
     steps, warmup, seconds = (40, 25, 4) if quick else (100, 30, 10)
     timed = ["--timed-seconds", str(seconds)] if standalone else []
-    return ["--batch", str(BATCH if not quick else 64), "--samples", "65536", "--steps", str(steps),
+    return ["--batch", str(batch if not quick else 64), "--samples", "65536", "--steps", str(steps),
             "--warmup", str(warmup), "--width", "512", "--depth", "4", "--lr", "0.01", *timed, "--out", str(out)]
 
 
-def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool) -> tuple[dict[str, str], str]:
-    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU."""
+def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool,
+             threads: str = "compute") -> tuple[dict[str, str], str]:
+    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU (``threads``: CAP_THREADS)."""
     if capped:
-        items = [f"{i}={'max' if caps[r] >= 1.0 else caps[r]}@{priority}" for i, r in enumerate(ranks)]
-        return {"MEMRT_CPU_CAP": ",".join(items)}, "cgroup CPU caps " + "/".join(f"{caps[r]:g}" for r in ranks)
+        suffix = ":compute" if threads == "compute" else ""
+        items = [f"{i}={'max' if caps[r] >= 1.0 else caps[r]}@{priority}{suffix}" for i, r in enumerate(ranks)]
+        return ({"MEMRT_CPU_CAP": ",".join(items)},
+                f"cgroup CPU caps {'/'.join(f'{caps[r]:g}' for r in ranks)} ({'compute thread' if suffix else 'whole process'})")
     # no root: a sleep per sample that makes a rank about 1/c times slower than an uncapped one (~0.25 ms/sample)
     items = [f"{i}={0.00025 * (1 / caps[r] - 1):.6f}" for i, r in enumerate(ranks) if caps[r] < 1.0]
     return {"BALANCE_JOB_DELAY": ",".join(items)}, "sleep per sample (no root)"
 
 
 def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None,
-            standalone: bool = False) -> list[dict]:
-    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out, standalone)]
+            standalone: bool = False, batch: int = BATCH) -> list[dict]:
+    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out, standalone, batch)]
     node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
 
     def placement(rank: int) -> dict[str, str]:  # the namespace of the rank's node, entered by the shim
@@ -127,9 +136,12 @@ def _samples_per_s(ranks: list[dict]) -> float:
     return sum(r["timed_local_samples"] for r in ranks) / ranks[0]["timed_seconds"]
 
 
-def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> dict[str, Any]:
+def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, batch: int = BATCH,
+            cap: str = "compute") -> dict[str, Any]:
     """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 alternately
-    ``repeats`` times (medians reported); returns the row."""
+    ``repeats`` times (medians reported); returns the row. ``cap``: CAP_THREADS; ``batch``: per-rank b."""
+    if cap not in CAP_THREADS:
+        raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_THREADS}")
     import statistics
 
     import torch
@@ -154,10 +166,10 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> 
         errors: list[str] = []
 
         def alone(r: int) -> None:
-            env, _ = _cap_env(caps, [r], priority, capped)
+            env, _ = _cap_env(caps, [r], priority, capped, cap)
             try:
                 speeds[r] = _samples_per_s(_launch([[0]], {**base, **env}, tmp / f"alone{r}", quick,
-                                                   standalone=True))
+                                                   standalone=True, batch=batch))
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(f"rank {r}: {exc}")
 
@@ -168,16 +180,16 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> 
             t.join()
         if errors:
             raise RuntimeError("standalone runs failed: " + "; ".join(errors))
-        env, how = _cap_env(caps, list(range(world)), priority, capped)
+        env, how = _cap_env(caps, list(range(world)), priority, capped, cap)
         _check_slowdown(caps, speeds, how=how)
         if cluster is not None:
             cluster.__enter__()
         stock_sps, memrt_sps = [], []
         for i in range(repeats):
-            stock = _launch(nodes, {**base, **env}, tmp / "stock", quick, cluster)
+            stock = _launch(nodes, {**base, **env}, tmp / "stock", quick, cluster, batch=batch)
             report = tmp / f"report{i}"
             memrt = _launch(nodes, {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)},
-                            tmp / "memrt", quick, cluster)
+                            tmp / "memrt", quick, cluster, batch=batch)
             stock_sps.append(_samples_per_s(stock))
             memrt_sps.append(_samples_per_s(memrt))
     finally:
@@ -203,15 +215,16 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1) -> 
         "max_param_diff": max(float((a - b).abs().max()) for a, b in zip(p_memrt, p_stock)),
         "shares": balance["shares"] if balance else None,
         "decisions": [(d["step"], d["shares"], d["changed"]) for d in balance["decisions"]] if balance else None,
-        "global_batch": (64 if quick else BATCH) * world,
+        "global_batch": (64 if quick else batch) * world, "cap_threads": cap,
     }
 
 
 def print_job_table(rows: list[dict[str, Any]]) -> None:
-    print_table(["scenario", "ranks (nodes)", "caps", "B", "standalone samples/s", "bound", "stock", "MEMRT=1",
+    print_table(["scenario", "ranks (nodes)", "caps (slowed)", "B", "standalone samples/s", "bound", "stock", "MEMRT=1",
                  "MEMRT=1/stock", "MEMRT=1/bound", "loss diff", "params allclose", "shares"],
                 [[r["scenario"], f"{r['world']} ({'+'.join(str(len(n)) for n in r['nodes'])}"
-                  f"{', emulated' if r['emulated_cluster'] else ''})", "/".join(f"{c:g}" for c in r["caps"]),
+                  f"{', emulated' if r['emulated_cluster'] else ''})",
+                  "/".join(f"{c:g}" for c in r["caps"]) + f" ({r['cap_threads']})",
                   r["global_batch"], " + ".join(f"{s:.0f}" for s in r["standalone_samples_per_s"]),
                   f"{r['bound_samples_per_s']:.0f}", f"{r['stock_samples_per_s']:.0f}", f"{r['memrt_samples_per_s']:.0f}",
                   fmt_ratio(r["memrt_over_stock"]), f"{100 * r['memrt_over_bound']:.0f}%",

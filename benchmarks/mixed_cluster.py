@@ -3,6 +3,7 @@
     cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster                    # job scenarios pair, equal, quad, uneven
     cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --quick            # shorter
     ... --scenario pair|equal|quad|uneven|api-pair|api-mixed|all --repeats 3 --out DIR  # DIR/mixed_cluster.json
+    ... --cap compute|process|both --batch 1024      # what a cap slows (job scenarios), the per-rank batch
     cd /work/main && .venv/bin/python -m benchmarks.mixed_cluster --gpu-check  # CUDA side (gpu_check.sh)
 
 Job scenarios (``benchmarks/balance_job.py``: DistributedSampler + DataLoader(batch_size=b), an MLP, SGD; it
@@ -15,6 +16,10 @@ decisions fall inside it). Final loss (the whole dataset, final model) and param
 - ``quad``: 4 ranks capped at 1/1/0.5/0.25 CPU;
 - ``uneven``: 4 ranks on the emulated cluster's two namespaces, 3+1 (ranks 0-2 | rank 3, 1 Gbit/s link),
   rank 3 capped at 0.25 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
+What a cap slows (``--cap``): ``compute`` (default) caps each rank's main thread, which runs its forward,
+backward, data loading and optimizer step, and leaves its communication threads (gloo's, memrt's) free: a
+slow accelerator, whose network is not slower; ``process`` caps the whole process, communication included:
+a CPU-only helper rank; ``both`` runs every scenario both ways.
 Each scenario first checks that its caps slow the capped ranks alone as much as their share of the cores
 says (4 ranks on 2 cores get about 0.5 CPU each, so a 0.5 cap would change nothing); it fails otherwise.
 Without root the caps become a sleep per sample in forward (``BALANCE_JOB_DELAY``), printed as such.
@@ -46,7 +51,7 @@ from memrt.testing.balance import Spec, make_model, side_by_side
 from memrt.cluster.cpucap import can_cap
 from memrt.testing import run_processes
 
-from benchmarks._balance_jobs import print_job_table, run_job
+from benchmarks._balance_jobs import BATCH, print_job_table, run_job
 
 
 def _memory_model(spec: Spec) -> tuple[int, float]:
@@ -197,6 +202,10 @@ def main(argv=None) -> int:
     p.add_argument("--priority", type=float, default=1.0,
                    help="CPU weight multiplier for every rank's cgroup (root): on a machine shared with other "
                         "work, e.g. 8 keeps uncapped ranks near a full CPU so the caps set the speed ratio")
+    p.add_argument("--cap", choices=("compute", "process", "both"), default="compute",
+                   help="job scenarios: cap each rank's compute thread (its communication runs free) or the whole "
+                        "process (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=BATCH, help="job scenarios: per-rank batch b (default %(default)s)")
     args = p.parse_args(argv)
     info = machine_info()
     print(machine_line(info), flush=True)
@@ -204,7 +213,9 @@ def main(argv=None) -> int:
         return gpu_check()
     names = {"all": ("pair", "equal", "quad", "uneven", "api-pair", "api-mixed"),
              "jobs": ("pair", "equal", "quad", "uneven")}.get(args.scenario, (args.scenario,))
-    jobs = [run_job(n, args.quick, args.priority, args.repeats) for n in names if not n.startswith("api-")]
+    caps = ("compute", "process") if args.cap == "both" else (args.cap,)
+    jobs = [run_job(n, args.quick, args.priority, args.repeats, batch=args.batch, cap=c)
+            for c in caps for n in names if not n.startswith("api-")]
     if jobs:
         print_job_table(jobs)
     rows = [run(n[4:], args.quick, args.priority) for n in names if n.startswith("api-")]

@@ -13,11 +13,13 @@ BUSY = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nprint(t
 
 
 def test_parse_cap_setting():
-    assert parse_cap_setting("1=0.5,3=0.25") == {1: (0.5, 1.0), 3: (0.25, 1.0)}
-    assert parse_cap_setting("0=max@4,1=0.5@4") == {0: (None, 4.0), 1: (0.5, 4.0)}
+    assert parse_cap_setting("1=0.5,3=0.25") == {1: (0.5, 1.0, "all"), 3: (0.25, 1.0, "all")}
+    assert parse_cap_setting("0=max@4,1=0.5@4") == {0: (None, 4.0, "all"), 1: (0.5, 4.0, "all")}
+    assert parse_cap_setting("1=0.5@4:compute,2=0.25:all") == {1: (0.5, 4.0, "compute"), 2: (0.25, 1.0, "all")}
     assert parse_cap_setting(None) == {} and parse_cap_setting(" ") == {}
-    with pytest.raises(ValueError, match="MEMRT_CPU_CAP"):
-        parse_cap_setting("1:0.5")
+    for bad in ("1:0.5", "1=0.5:gpu"):
+        with pytest.raises(ValueError, match="MEMRT_CPU_CAP"):
+            parse_cap_setting(bad)
 
 
 def test_cap_refuses_bad_values_and_says_why_not(monkeypatch):
@@ -25,6 +27,8 @@ def test_cap_refuses_bad_values_and_says_why_not(monkeypatch):
         cap_process(None, 0.0)
     with pytest.raises(ValueError, match="period_us"):
         cap_process(None, 0.5, period_us=10)
+    with pytest.raises(ValueError, match="threads"):
+        cap_process(None, 0.5, threads="io")
     monkeypatch.setattr(cpucap.os, "geteuid", lambda: 1000)
     ok, why = can_cap()
     assert not ok and "root" in why
@@ -110,3 +114,47 @@ def test_benchmark_refuses_caps_that_cannot_slow_a_rank(monkeypatch):
         _check_slowdown([1.0, 0.5], {0: 100.0, 1: 98.0}, how="caps 1/0.5")
     with pytest.raises(RuntimeError, match="cannot slow"):
         _check_slowdown([1.0, 1.0, 1.0, 0.5], {0: 50.0, 1: 50.0, 2: 50.0, 3: 50.0}, how="caps 1/1/1/0.5")
+
+
+# The main thread and a thread it starts after the cap hash for 1.5 s each (hashlib releases the GIL, as
+# compute and communication threads of a job do); each prints its own CPU seconds.
+TWO_THREADS = """
+import hashlib, sys, threading, time
+sys.stdin.readline()  # capped by now
+def spin(out):
+    t, block = time.time(), bytes(1 << 20)
+    while time.time() - t < 1.5:
+        hashlib.sha256(block).digest()
+    out.append(time.thread_time())
+other = []
+th = threading.Thread(target=spin, args=(other,))
+th.start()
+mine = []
+spin(mine)
+th.join()
+print(mine[0], other[0])
+"""
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_compute_cap_slows_the_main_thread_only():
+    ok, why = can_cap()
+    if not ok:
+        pytest.skip(why)
+    if cpucap._find_hierarchy()[0].version != 1:
+        with pytest.raises(PermissionError, match="cgroup v1"):
+            cap_process(None, 0.25, threads="compute")
+        return
+    proc = subprocess.Popen([sys.executable, "-c", TWO_THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    with cap_process(proc.pid, 0.25, threads="compute") as cap:
+        assert (cap.path / "tasks").read_text().split() == [str(proc.pid)]
+        out, _ = proc.communicate("go\n", timeout=30)
+        free = cap.free
+    main_s, other_s = map(float, out.split())
+    # 0.25 CPU for the main thread (about 0.375 s of 1.5 s); the thread it started after the cap ran free
+    # (the watcher moved it out of the capped cgroup within ~10 ms)
+    assert main_s < 0.6, f"capped main thread used {main_s:.2f} s of CPU in 1.5 s"
+    assert other_s > 1.0, f"uncapped thread used only {other_s:.2f} s of CPU in 1.5 s"
+    assert not cap.path.exists() and not free.exists()

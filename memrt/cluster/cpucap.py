@@ -10,28 +10,67 @@ runs are removed by the next cap (:func:`remove_stale_caps`).
 :func:`can_cap` says why capping is impossible (not root, no writable cgroup2 with the ``cpu``
 controller and no cgroup v1 ``cpu`` hierarchy); tests skip on its reason.
 
+``cap_process(..., threads="compute")`` caps only the process's main thread (its compute, in a
+single-threaded rank) and leaves every other thread (gloo's or NCCL's communication threads, memrt's
+workers) uncapped, as a slow accelerator slows its compute, not its network: the main thread alone goes to
+the capped cgroup, the rest to an uncapped sibling with the same weight, and a small watcher process moves
+threads the main thread starts later (they are born in its cgroup) to the sibling; it exits with the
+process. Per-thread placement needs a cgroup v1 ``cpu`` hierarchy (cgroup v2 places whole processes).
+
 A rank can cap itself from the internal setting ``MEMRT_CPU_CAP`` (``"1=0.5,3=0.25"``: rank -> CPUs;
-``"0=max@4,1=0.5@4"``: no quota / 0.5 CPU, both at 4x the default CPU weight),
-see :func:`cap_from_setting`; memrt's tests and benchmarks pass it to their children.
+``"0=max@4,1=0.5@4"``: no quota / 0.5 CPU, both at 4x the default CPU weight; ``"1=0.5@4:compute"``: the
+main thread only), see :func:`cap_from_setting`; memrt's tests and benchmarks pass it to their children.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from memrt.config import internal_setting
 
-__all__ = ["CpuCap", "can_cap", "cap_process", "cap_from_setting", "parse_cap_setting", "remove_stale_caps"]
+__all__ = ["CpuCap", "can_cap", "cap_process", "cap_from_setting", "parse_cap_setting", "remove_stale_caps",
+           "CAP_THREADS"]
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "memrt-cpucap-"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PROC_MOUNTS = Path("/proc/mounts")
+_FREE_SUFFIX = "-free"
+CAP_THREADS = ("all", "compute")
+"""What a cap slows: every thread of the process, or its main (compute) thread only."""
+
+# The watcher of a compute-only cap (a detached process, outside the cap): threads the capped main thread
+# starts are born in its cgroup; every one but the main thread moves to the uncapped sibling. Polls often
+# while a job starts its threads, then rarely; exits when the process or the cgroups are gone.
+_WATCHER = """
+import os, sys, time
+pid, capped, free = sys.argv[1], sys.argv[2], sys.argv[3]
+if os.fork():
+    os._exit(0)
+os.setsid()
+start = time.monotonic()
+while os.path.exists(f"/proc/{pid}"):
+    try:
+        with open(capped + "/tasks") as f:
+            tids = f.read().split()
+        for tid in tids:
+            if tid != pid:
+                try:
+                    with open(free + "/tasks", "w") as f:
+                        f.write(tid)
+                except OSError:
+                    pass  # the thread ended meanwhile
+    except OSError:
+        break  # the cap was lifted
+    time.sleep(0.01 if time.monotonic() - start < 60 else 0.1)
+"""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -117,14 +156,17 @@ class CpuCap:
     """A live cap: ``pid`` runs at most ``cpus`` CPUs. ``close()`` lifts it and removes the cgroup."""
 
     def __init__(self, pid: int, cpus: float | None, period_us: int, hierarchy: _Hierarchy,
-                 priority: float = 1.0) -> None:
+                 priority: float = 1.0, threads: str = "all") -> None:
         self.pid = pid
         self.cpus = cpus
         self.period_us = period_us
         self.priority = priority
         self.hierarchy = hierarchy
+        self.threads = threads
         self.origin = _cgroup_of(pid, hierarchy)
         self.path = hierarchy.root / f"{_PREFIX}{pid}-{uuid.uuid4().hex[:6]}"
+        self.free: Path | None = None
+        """The uncapped sibling of a compute-only cap (every thread but the main one)."""
         self._closed = False
         quota_us = None if cpus is None else max(1000, int(round(cpus * period_us)))  # kernel minimum: 1 ms
         if hierarchy.version == 2:
@@ -140,12 +182,31 @@ class CpuCap:
                 (self.path / "cpu.cfs_quota_us").write_text(str(-1 if quota_us is None else quota_us))
                 if priority != 1.0:  # cpu.shares: default 1024, range 2..262144
                     (self.path / "cpu.shares").write_text(str(max(2, min(262144, round(1024 * priority)))))
-            (self.path / "cgroup.procs").write_text(str(pid))
+            if threads == "compute":
+                self._cap_main_thread()
+            else:
+                (self.path / "cgroup.procs").write_text(str(pid))
         except OSError:
-            self.path.rmdir()
+            for d in (self.path, self.free):
+                if d is not None and d.exists():
+                    d.rmdir()
             raise
         logger.info("capped pid %d at %s CPU (quota %s us per %d us, priority %.1fx, cgroup v%d)", pid,
                     "no" if cpus is None else f"{cpus:.2f}", quota_us, period_us, priority, hierarchy.version)
+
+    def _cap_main_thread(self) -> None:
+        """The whole process into the uncapped sibling, the watcher started from there, then the main thread
+        alone into the capped cgroup."""
+        self.free = Path(str(self.path) + _FREE_SUFFIX)
+        self.free.mkdir()
+        (self.free / "cpu.shares").write_text((self.path / "cpu.shares").read_text())
+        (self.free / "cgroup.procs").write_text(str(self.pid))
+        # started from the sibling, so outside the cap; it detaches (the intermediate exits at once, reaped here)
+        # and holds none of the job's pipes
+        subprocess.run([sys.executable, "-c", _WATCHER, str(self.pid), str(self.path), str(self.free)],
+                       check=True, timeout=30, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        (self.path / "tasks").write_text(str(self.pid))
 
     def _enable_cpu_controller(self) -> None:
         control = self.hierarchy.root / "cgroup.subtree_control"
@@ -157,21 +218,24 @@ class CpuCap:
         if self._closed:
             return
         self._closed = True
-        try:
-            pids = (self.path / "cgroup.procs").read_text().split()
-        except OSError:
-            pids = []
-        for p in pids:
-            for target in (self.origin, self.hierarchy.root):
-                try:
-                    (target / "cgroup.procs").write_text(p)
-                    break
-                except OSError:  # origin gone or not a leaf: fall back to the root
-                    continue
-        try:
-            self.path.rmdir()
-        except OSError as exc:
-            logger.warning("could not remove cgroup %s: %s (remove_stale_caps() retries)", self.path, exc)
+        for d in (self.path, self.free):
+            if d is None:
+                continue
+            try:
+                pids = (d / "cgroup.procs").read_text().split()
+            except OSError:
+                pids = []
+            for p in pids:
+                for target in (self.origin, self.hierarchy.root):
+                    try:
+                        (target / "cgroup.procs").write_text(p)
+                        break
+                    except OSError:  # origin gone or not a leaf: fall back to the root
+                        continue
+            try:
+                d.rmdir()
+            except OSError as exc:
+                logger.warning("could not remove cgroup %s: %s (remove_stale_caps() retries)", d, exc)
 
     def __enter__(self) -> "CpuCap":
         return self
@@ -187,13 +251,14 @@ class CpuCap:
 
 
 def cap_process(pid: int | None = None, cpus: float | None = 0.5, *, period_us: int = 20_000,
-                priority: float = 1.0) -> CpuCap:
+                priority: float = 1.0, threads: str = "all") -> CpuCap:
     """Cap ``pid`` (default: this process) at ``cpus`` CPUs (0.5 = half of one CPU; None = no quota).
 
     ``period_us`` is the quota period (1000..1_000_000 us); a short period spreads the throttling
     evenly over a training step. ``priority`` multiplies the cgroup's CPU weight (1.0 = like any other
     process): on a machine shared with other work, giving every rank of an emulated cluster the same
     higher priority keeps an uncapped rank near a full CPU, so the cap alone sets the speed ratio.
+    ``threads="compute"`` caps the main thread only (see the module docstring; cgroup v1).
     Raises ``PermissionError`` with the reason when capping is impossible.
     """
     if cpus is not None and not 0.01 <= cpus <= 1024:
@@ -202,28 +267,35 @@ def cap_process(pid: int | None = None, cpus: float | None = 0.5, *, period_us: 
         raise ValueError(f"priority={priority!r} is not valid: expected a weight multiplier between 0.01 and 100")
     if not 1000 <= period_us <= 1_000_000:
         raise ValueError(f"period_us={period_us!r} is not valid: expected 1000..1000000 microseconds")
+    if threads not in CAP_THREADS:
+        raise ValueError(f"threads={threads!r} is not valid: expected one of {CAP_THREADS}")
     hierarchy, why = _find_hierarchy()
     if hierarchy is None:
         raise PermissionError(f"cannot cap CPU share: {why}")
+    if threads == "compute" and hierarchy.version != 1:
+        raise PermissionError("cannot cap the compute thread alone: per-thread placement needs a cgroup v1 cpu "
+                              f"hierarchy, this machine has cgroup v2 at {hierarchy.root}")
     remove_stale_caps()
-    return CpuCap(os.getpid() if pid is None else pid, cpus, period_us, hierarchy, priority)
+    return CpuCap(os.getpid() if pid is None else pid, cpus, period_us, hierarchy, priority, threads)
 
 
-def parse_cap_setting(raw: str | None) -> dict[int, tuple[float | None, float]]:
-    """``"1=0.5,3=0.25@4,0=max@4"`` -> {rank: (cpus or None, priority)}; empty or None -> {}."""
-    out: dict[int, tuple[float | None, float]] = {}
+def parse_cap_setting(raw: str | None) -> dict[int, tuple[float | None, float, str]]:
+    """``"1=0.5,3=0.25@4,0=max@4:compute"`` -> {rank: (cpus or None, priority, threads)}; empty or None -> {}."""
+    out: dict[int, tuple[float | None, float, str]] = {}
     if not raw or not raw.strip():
         return out
     for item in raw.split(","):
         rank, sep, value = item.partition("=")
+        value, colon, threads = value.partition(":")
         cpus, _, prio = value.partition("@")
         try:
-            if not sep:
+            if not sep or (colon and threads not in CAP_THREADS):
                 raise ValueError
-            out[int(rank)] = (None if cpus.strip() == "max" else float(cpus), float(prio) if prio else 1.0)
+            out[int(rank)] = (None if cpus.strip() == "max" else float(cpus), float(prio) if prio else 1.0,
+                              threads or "all")
         except ValueError:
-            raise ValueError(f"MEMRT_CPU_CAP={raw!r} is not valid: expected rank=cpus[@priority] pairs like "
-                             "1=0.5,3=0.25 or 0=max@4,1=0.5@4") from None
+            raise ValueError(f"MEMRT_CPU_CAP={raw!r} is not valid: expected rank=cpus[@priority][:compute] pairs "
+                             "like 1=0.5,3=0.25 or 0=max@4,1=0.5@4:compute") from None
     return out
 
 
@@ -232,5 +304,5 @@ def cap_from_setting(rank: int, *, period_us: int = 20_000) -> CpuCap | None:
     caps = parse_cap_setting(internal_setting("MEMRT_CPU_CAP"))
     if rank not in caps:
         return None
-    cpus, priority = caps[rank]
-    return cap_process(None, cpus, period_us=period_us, priority=priority)
+    cpus, priority, threads = caps[rank]
+    return cap_process(None, cpus, period_us=period_us, priority=priority, threads=threads)

@@ -41,6 +41,7 @@ from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, mak
                                 owns_parameters, resident_bytes, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan, recompute_all_plan
 from memrt.memory.profile import Profile, ProfileSession, model_device
+from memrt.memory.trees import tensor_leaves
 from memrt.memory.units import expect_module, find_units, structure_key
 
 __all__ = ["auto", "plan_of", "disable", "MAX_TRIES"]
@@ -444,23 +445,11 @@ def _overshoot_margin(p: Plan, measured: int, over: int) -> int:
 
 def _output_tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors of a forward's output (tuples, lists, dicts and mappings such as transformers' ModelOutput)."""
-    from collections.abc import Mapping
-
-    from torch.utils._pytree import tree_flatten
-
-    out: list[torch.Tensor] = []
-    for leaf in tree_flatten(obj)[0]:
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif isinstance(leaf, Mapping):
-            out += _output_tensors(list(leaf.values()))
-    return out
+    return tensor_leaves(obj, into_mappings=True)
 
 
 def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+    return tensor_leaves(obj)
 
 
 def _record(p: Plan) -> None:

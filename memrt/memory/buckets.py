@@ -18,7 +18,7 @@ import copy
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten
+from memrt.memory.trees import tensor_leaves
 
 from memrt.memory.profile import Profile
 
@@ -39,9 +39,8 @@ def bucket_dim(n: int) -> int:
 def input_shapes(args: Any, kwargs: Any) -> list[Shape]:
     """Shapes of the tensors among a forward's arguments, in argument order."""
     out: list[Shape] = []
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor):
-            out.append((tuple(int(d) for d in t.shape), str(t.dtype).replace("torch.", ""), str(t.device)))
+    for t in tensor_leaves((args, kwargs)):
+        out.append((tuple(int(d) for d in t.shape), str(t.dtype).replace("torch.", ""), str(t.device)))
     return out
 
 

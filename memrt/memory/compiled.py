@@ -42,9 +42,9 @@ def compiled_action(action: str) -> str:
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
+    from memrt.memory.trees import tensor_leaves
 
-    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in tensor_leaves(out) if t.requires_grad]
 
 
 def shadow_profile(model: nn.Module, units: Sequence[tuple[str, nn.Module]], device: torch.device,
