@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import fmt_ratio, launch_on_nodes, print_table
-from memrt.cluster.cpucap import can_cap, remove_stale_caps
+from memrt.cluster.cpucap import can_cap, can_cap_threads, remove_stale_caps
 
 __all__ = ["SCENARIOS", "run_job", "print_job_table"]
 
@@ -36,11 +36,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 BATCH = 1024
-"""Per-rank batch b of the job (global batch b x world): large enough that per-step fixed costs (the 3.4 MB
+"""Per-rank batch b of the job (global batch b x world): large enough that per-step fixed costs (the 3.3 MB
 gradient all-reduce, the optimizer step) stay small next to compute, as in training jobs that care about
 throughput (at b = 256 the all-reduce alone is about a third of an equal-ranks step on this 2-core machine)."""
 
-CAP_THREADS = ("compute", "process")
+CAP_MODES = ("compute", "process")
 """What a cap slows: the rank's compute thread only (its communication threads run free, as a slow
 accelerator slows its compute, not its network), or the whole process (communication at the capped speed
 too, like a CPU-only helper rank)."""
@@ -55,12 +55,12 @@ def _job_args(quick: bool, out: Path, standalone: bool = False, batch: int = BAT
 
 def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool,
              threads: str = "compute") -> tuple[dict[str, str], str]:
-    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU (``threads``: CAP_THREADS)."""
+    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU (``threads``: CAP_MODES)."""
     if capped:
         suffix = ":compute" if threads == "compute" else ""
         items = [f"{i}={'max' if caps[r] >= 1.0 else caps[r]}@{priority}{suffix}" for i, r in enumerate(ranks)]
-        return ({"MEMRT_CPU_CAP": ",".join(items)},
-                f"cgroup CPU caps {'/'.join(f'{caps[r]:g}' for r in ranks)} ({'compute thread' if suffix else 'whole process'})")
+        what = "compute thread" if suffix else "whole process"
+        return {"MEMRT_CPU_CAP": ",".join(items)}, f"cgroup CPU caps {'/'.join(f'{caps[r]:g}' for r in ranks)} ({what})"
     # no root: a sleep per sample that makes a rank about 1/c times slower than an uncapped one (~0.25 ms/sample)
     items = [f"{i}={0.00025 * (1 / caps[r] - 1):.6f}" for i, r in enumerate(ranks) if caps[r] < 1.0]
     return {"BALANCE_JOB_DELAY": ",".join(items)}, "sleep per sample (no root)"
@@ -139,15 +139,21 @@ def _samples_per_s(ranks: list[dict]) -> float:
 def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, batch: int = BATCH,
             cap: str = "compute") -> dict[str, Any]:
     """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 alternately
-    ``repeats`` times (medians reported); returns the row. ``cap``: CAP_THREADS; ``batch``: per-rank b."""
-    if cap not in CAP_THREADS:
-        raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_THREADS}")
+    ``repeats`` times (medians reported); returns the row. ``cap``: CAP_MODES (``compute`` where only whole
+    processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
+    if cap not in CAP_MODES:
+        raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_MODES}")
     import statistics
 
     import torch
 
     sc = SCENARIOS[name]
     capped, why = can_cap()
+    if capped and cap == "compute":
+        threads_ok, why_not = can_cap_threads()
+        if not threads_ok:
+            print(f"note: {name}: {why_not}: capping whole processes instead", flush=True)
+            cap = "process"
     caps, nodes = sc["caps"], sc["nodes"]
     world = len(caps)
     tmp = Path(tempfile.mkdtemp(prefix=f"memrt-bal-{name}-"))

@@ -17,9 +17,11 @@ decisions fall inside it). Final loss (the whole dataset, final model) and param
 - ``uneven``: 4 ranks on the emulated cluster's two namespaces, 3+1 (ranks 0-2 | rank 3, 1 Gbit/s link),
   rank 3 capped at 0.25 CPU (root; ``MEMRT_TOPOLOGY=0,1,2;3``; without namespaces it runs on loopback).
 What a cap slows (``--cap``): ``compute`` (default) caps each rank's main thread, which runs its forward,
-backward, data loading and optimizer step, and leaves its communication threads (gloo's, memrt's) free: a
-slow accelerator, whose network is not slower; ``process`` caps the whole process, communication included:
-a CPU-only helper rank; ``both`` runs every scenario both ways.
+backward, data loading (no DataLoader workers here) and optimizer step, and leaves its communication threads
+(gloo's, memrt's) free: a slow accelerator, whose network is not slower (approximately: Python callbacks on
+those threads wait while the quota pauses the main thread holding the GIL; cgroup v1 only, elsewhere it
+falls back to ``process``, printed); ``process`` caps the whole process, communication included: a CPU-only
+helper rank; ``both`` runs every scenario both ways.
 Each scenario first checks that its caps slow the capped ranks alone as much as their share of the cores
 says (4 ranks on 2 cores get about 0.5 CPU each, so a 0.5 cap would change nothing); it fails otherwise.
 Without root the caps become a sleep per sample in forward (``BALANCE_JOB_DELAY``), printed as such.
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--cap", choices=("compute", "process", "both"), default="compute",
                    help="job scenarios: cap each rank's compute thread (its communication runs free) or the whole "
                         "process (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=BATCH, help="job scenarios: per-rank batch b (default %(default)s)")
+    p.add_argument("--batch", type=int, default=BATCH,
+                   help="job scenarios: per-rank batch b (default %(default)s; --quick uses 64)")
     args = p.parse_args(argv)
     info = machine_info()
     print(machine_line(info), flush=True)

@@ -15,7 +15,10 @@ single-threaded rank) and leaves every other thread (gloo's or NCCL's communicat
 workers) uncapped, as a slow accelerator slows its compute, not its network: the main thread alone goes to
 the capped cgroup, the rest to an uncapped sibling with the same weight, and a small watcher process moves
 threads the main thread starts later (they are born in its cgroup) to the sibling; it exits with the
-process. Per-thread placement needs a cgroup v1 ``cpu`` hierarchy (cgroup v2 places whole processes).
+process. Implemented on a cgroup v1 ``cpu`` hierarchy only (cgroup v2 would need a threaded subtree).
+Approximate: everything but the main thread runs free, so intra-op threads (``torch.set_num_threads`` above 1)
+and child processes (DataLoader workers) escape the cap, and Python code on the free threads (completion
+callbacks) waits whenever the quota pauses the main thread while it holds the GIL.
 
 A rank can cap itself from the internal setting ``MEMRT_CPU_CAP`` (``"1=0.5,3=0.25"``: rank -> CPUs;
 ``"0=max@4,1=0.5@4"``: no quota / 0.5 CPU, both at 4x the default CPU weight; ``"1=0.5@4:compute"``: the
@@ -28,13 +31,14 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from memrt.config import internal_setting
 
-__all__ = ["CpuCap", "can_cap", "cap_process", "cap_from_setting", "parse_cap_setting", "remove_stale_caps",
+__all__ = ["CpuCap", "can_cap", "can_cap_threads", "cap_process", "cap_from_setting", "parse_cap_setting", "remove_stale_caps",
            "CAP_THREADS"]
 
 logger = logging.getLogger(__name__)
@@ -46,31 +50,43 @@ _FREE_SUFFIX = "-free"
 CAP_THREADS = ("all", "compute")
 """What a cap slows: every thread of the process, or its main (compute) thread only."""
 
-# The watcher of a compute-only cap (a detached process, outside the cap): threads the capped main thread
-# starts are born in its cgroup; every one but the main thread moves to the uncapped sibling. Polls often
-# while a job starts its threads, then rarely; exits when the process or the cgroups are gone.
+# The watcher of a compute-only cap (a detached process in the cgroup of whoever set the cap up, outside both
+# of the cap's cgroups): threads the capped main thread starts are born in its cgroup; every one but the main
+# thread moves to the uncapped sibling. Polls often while a job starts its threads, then rarely; exits when the
+# process is gone (checked by its start time, so a reused pid does not keep it alive) or the cap was lifted.
 _WATCHER = """
 import os, sys, time
-pid, capped, free = sys.argv[1], sys.argv[2], sys.argv[3]
+pid, start, capped, free = sys.argv[1:5]
 if os.fork():
     os._exit(0)
 os.setsid()
-start = time.monotonic()
-while os.path.exists(f"/proc/{pid}"):
+def alive():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19] == start
+    except (OSError, IndexError):
+        return False
+began = time.monotonic()
+while alive():
     try:
         with open(capped + "/tasks") as f:
             tids = f.read().split()
-        for tid in tids:
-            if tid != pid:
-                try:
-                    with open(free + "/tasks", "w") as f:
-                        f.write(tid)
-                except OSError:
-                    pass  # the thread ended meanwhile
     except OSError:
-        break  # the cap was lifted
-    time.sleep(0.01 if time.monotonic() - start < 60 else 0.1)
+        break
+    for tid in tids:
+        if tid != pid:
+            try:
+                with open(free + "/tasks", "w") as f:
+                    f.write(tid)
+            except OSError:
+                pass
+    time.sleep(0.01 if time.monotonic() - began < 60 else 0.1)
 """
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of ``/proc/<pid>/stat``: when the process started (clock ticks since boot)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -121,6 +137,17 @@ def can_cap() -> tuple[bool, str]:
     """(True, "") when this process can cap CPU shares, else (False, why not)."""
     hierarchy, why = _find_hierarchy()
     return hierarchy is not None, why
+
+
+def can_cap_threads() -> tuple[bool, str]:
+    """(True, "") when this process can cap a process's main thread alone (``threads="compute"``), else why not."""
+    hierarchy, why = _find_hierarchy()
+    if hierarchy is None:
+        return False, why
+    if hierarchy.version != 1:
+        return False, (f"capping a main thread alone is implemented on a cgroup v1 cpu hierarchy only; this machine "
+                       f"has cgroup v2 at {hierarchy.root}")
+    return True, ""
 
 
 def _cgroup_of(pid: int, hierarchy: _Hierarchy) -> Path:
@@ -186,26 +213,24 @@ class CpuCap:
                 self._cap_main_thread()
             else:
                 (self.path / "cgroup.procs").write_text(str(pid))
-        except OSError:
-            for d in (self.path, self.free):
-                if d is not None and d.exists():
-                    d.rmdir()
+        except BaseException:
+            self._release(quiet=True)
             raise
         logger.info("capped pid %d at %s CPU (quota %s us per %d us, priority %.1fx, cgroup v%d)", pid,
                     "no" if cpus is None else f"{cpus:.2f}", quota_us, period_us, priority, hierarchy.version)
 
     def _cap_main_thread(self) -> None:
-        """The whole process into the uncapped sibling, the watcher started from there, then the main thread
-        alone into the capped cgroup."""
+        """The uncapped sibling and the watcher first (the watcher stays in the caller's cgroup), then the whole
+        process into the sibling and its main thread alone into the capped cgroup."""
         self.free = Path(str(self.path) + _FREE_SUFFIX)
         self.free.mkdir()
         (self.free / "cpu.shares").write_text((self.path / "cpu.shares").read_text())
+        # -I -S: no site-packages, so no .pth file (memrt's activation among them) runs in the watcher; it detaches
+        # (the intermediate exits at once and is reaped here) and holds none of the job's pipes
+        subprocess.run([sys.executable, "-I", "-S", "-c", _WATCHER, str(self.pid), _start_time(self.pid),
+                        str(self.path), str(self.free)], check=True, timeout=30, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         (self.free / "cgroup.procs").write_text(str(self.pid))
-        # started from the sibling, so outside the cap; it detaches (the intermediate exits at once, reaped here)
-        # and holds none of the job's pipes
-        subprocess.run([sys.executable, "-c", _WATCHER, str(self.pid), str(self.path), str(self.free)],
-                       check=True, timeout=30, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
         (self.path / "tasks").write_text(str(self.pid))
 
     def _enable_cpu_controller(self) -> None:
@@ -214,28 +239,47 @@ class CpuCap:
             control.write_text("+cpu")
 
     def close(self) -> None:
-        """Move every process of the cap back to where ``pid`` was, then remove the cgroup."""
+        """Move every process of the cap back to where ``pid`` was, then remove the cgroup(s)."""
         if self._closed:
             return
         self._closed = True
+        self._release(quiet=False)
+
+    def _move_back(self, d: Path) -> None:
+        try:
+            pids = (d / "cgroup.procs").read_text().split()
+        except OSError:
+            return
+        for p in pids:
+            for target in (self.origin, self.hierarchy.root):
+                try:
+                    (target / "cgroup.procs").write_text(p)
+                    break
+                except OSError:  # origin gone or not a leaf: fall back to the root
+                    continue
+
+    def _release(self, *, quiet: bool) -> None:
+        """Processes back to the origin, the capped cgroup removed (its watcher then exits), then the sibling:
+        retried for a moment, since the watcher may move a thread it listed just before the drain."""
+        for d in (self.path, self.free):
+            if d is not None:
+                self._move_back(d)
+        attempts = {self.path: 1, self.free: 30}
         for d in (self.path, self.free):
             if d is None:
                 continue
-            try:
-                pids = (d / "cgroup.procs").read_text().split()
-            except OSError:
-                pids = []
-            for p in pids:
-                for target in (self.origin, self.hierarchy.root):
-                    try:
-                        (target / "cgroup.procs").write_text(p)
-                        break
-                    except OSError:  # origin gone or not a leaf: fall back to the root
-                        continue
-            try:
-                d.rmdir()
-            except OSError as exc:
-                logger.warning("could not remove cgroup %s: %s (remove_stale_caps() retries)", d, exc)
+            for attempt in range(attempts[d]):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if attempt + 1 < attempts[d]:
+                        time.sleep(0.01)
+                        self._move_back(d)
+                    elif not quiet:
+                        logger.warning("could not remove cgroup %s: %s (remove_stale_caps() retries)", d, exc)
 
     def __enter__(self) -> "CpuCap":
         return self
@@ -272,9 +316,10 @@ def cap_process(pid: int | None = None, cpus: float | None = 0.5, *, period_us: 
     hierarchy, why = _find_hierarchy()
     if hierarchy is None:
         raise PermissionError(f"cannot cap CPU share: {why}")
-    if threads == "compute" and hierarchy.version != 1:
-        raise PermissionError("cannot cap the compute thread alone: per-thread placement needs a cgroup v1 cpu "
-                              f"hierarchy, this machine has cgroup v2 at {hierarchy.root}")
+    if threads == "compute":
+        ok, why = can_cap_threads()
+        if not ok:
+            raise PermissionError(f"cannot cap the compute thread alone: {why}")
     remove_stale_caps()
     return CpuCap(os.getpid() if pid is None else pid, cpus, period_us, hierarchy, priority, threads)
 
@@ -287,6 +332,7 @@ def parse_cap_setting(raw: str | None) -> dict[int, tuple[float | None, float, s
     for item in raw.split(","):
         rank, sep, value = item.partition("=")
         value, colon, threads = value.partition(":")
+        threads = threads.strip()
         cpus, _, prio = value.partition("@")
         try:
             if not sep or (colon and threads not in CAP_THREADS):

@@ -18,9 +18,9 @@ import copy
 from typing import Any, Sequence
 
 import torch
-from memrt.memory.trees import tensor_leaves
 
 from memrt.memory.profile import Profile
+from memrt.memory.trees import tensor_leaves
 
 __all__ = ["Shape", "bucket_dim", "bucket_shapes", "input_shapes", "grows", "scale_profile", "shape_scale",
            "signature_of", "widen"]

@@ -2,20 +2,23 @@
 
 torch's ``tree_flatten`` builds a self-referencing closure on every call, a reference cycle that only the
 garbage collector frees; called a few times per training step it adds collections to the user's job.
-:func:`tensor_leaves` walks plain tuples, lists and dicts itself (the usual arguments and outputs) in the
-order ``tree_flatten`` gives, and hands anything else that torch registers as a pytree node (named tuples,
-transformers' ``ModelOutput``, dataclasses registered by libraries) to ``tree_flatten``.
+:func:`tensor_leaves` walks the same tree itself, one level at a time with the flatten function torch has
+registered for each node type (tuples, lists, dicts, named tuples, ``OrderedDict``, ``torch.return_types``,
+transformers' ``ModelOutput`` and anything else libraries register), so it finds the leaves ``tree_flatten``
+finds, in its order, and leaves nothing behind for the collector.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import SUPPORTED_NODES, _get_node_type
 
 __all__ = ["tensor_leaves"]
 
-_PLAIN = (tuple, list)
+_SCALARS = (int, float, bool, str, type(None))
 
 
 def tensor_leaves(obj: Any, *, into_mappings: bool = False) -> list[torch.Tensor]:
@@ -27,29 +30,23 @@ def tensor_leaves(obj: Any, *, into_mappings: bool = False) -> list[torch.Tensor
 
 
 def _collect(obj: Any, out: list[torch.Tensor], into_mappings: bool) -> None:
-    kind = type(obj)
-    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):
         out.append(obj)
-    elif kind in _PLAIN:
-        for item in obj:
-            _collect(item, out, into_mappings)
-    elif kind is dict:
-        for item in obj.values():
-            _collect(item, out, into_mappings)
-    elif obj is None or kind in (int, float, bool, str):
         return
+    kind = type(obj)
+    if kind in _SCALARS:
+        return
+    if kind is tuple or kind is list:  # the common case, without a flatten call
+        children: Any = obj
+    elif kind is dict:
+        children = obj.values()
     else:
-        from collections.abc import Mapping
-
-        from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
-
-        if kind in SUPPORTED_NODES or _is_namedtuple(obj):
-            for leaf in tree_flatten(obj)[0]:
-                _collect(leaf, out, into_mappings)
+        node = SUPPORTED_NODES.get(_get_node_type(obj))
+        if node is not None:
+            children = node.flatten_fn(obj)[0]
         elif into_mappings and isinstance(obj, Mapping):
-            for item in list(obj.values()):
-                _collect(item, out, into_mappings)
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+            children = list(obj.values())
+        else:
+            return  # a leaf that is not a tensor
+    for child in children:
+        _collect(child, out, into_mappings)
