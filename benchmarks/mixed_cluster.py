@@ -53,7 +53,7 @@ from memrt.testing.balance import Spec, make_model, side_by_side
 from memrt.cluster.cpucap import can_cap
 from memrt.testing import run_processes
 
-from benchmarks._balance_jobs import BATCH, print_job_table, run_job
+from benchmarks._balance_jobs import BATCH, CAP_MODES, print_job_table, run_job
 
 
 def _memory_model(spec: Spec) -> tuple[int, float]:
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--priority", type=float, default=1.0,
                    help="CPU weight multiplier for every rank's cgroup (root): on a machine shared with other "
                         "work, e.g. 8 keeps uncapped ranks near a full CPU so the caps set the speed ratio")
-    p.add_argument("--cap", choices=("compute", "process", "both"), default="compute",
+    p.add_argument("--cap", choices=(*CAP_MODES, "both"), default="compute",
                    help="job scenarios: cap each rank's compute thread (its communication runs free) or the whole "
                         "process (default: %(default)s)")
     p.add_argument("--batch", type=int, default=BATCH,
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         return gpu_check()
     names = {"all": ("pair", "equal", "quad", "uneven", "api-pair", "api-mixed"),
              "jobs": ("pair", "equal", "quad", "uneven")}.get(args.scenario, (args.scenario,))
-    caps = ("compute", "process") if args.cap == "both" else (args.cap,)
+    caps = CAP_MODES if args.cap == "both" else (args.cap,)
     jobs = [run_job(n, args.quick, args.priority, args.repeats, batch=args.batch, cap=c)
             for c in caps for n in names if not n.startswith("api-")]
     if jobs:

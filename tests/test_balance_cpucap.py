@@ -14,6 +14,13 @@ from memrt.cluster.cpucap import can_cap, cap_process, parse_cap_setting
 BUSY = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\nprint(time.process_time())"
 
 
+def _require(check) -> None:
+    """Skip with the reason ``check`` (``can_cap``, ``can_cap_threads``) gives when capping is impossible here."""
+    ok, why = check()
+    if not ok:
+        pytest.skip(why)
+
+
 def test_parse_cap_setting():
     assert parse_cap_setting("1=0.5,3=0.25") == {1: (0.5, 1.0, "all"), 3: (0.25, 1.0, "all")}
     assert parse_cap_setting("0=max@4,1=0.5@4") == {0: (None, 4.0, "all"), 1: (0.5, 4.0, "all")}
@@ -41,9 +48,7 @@ def test_cap_refuses_bad_values_and_says_why_not(monkeypatch):
 @pytest.mark.root
 @pytest.mark.slow
 def test_cap_limits_cpu_time_and_cleans_up():
-    ok, why = can_cap()
-    if not ok:
-        pytest.skip(why)
+    _require(can_cap)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)\n" + BUSY],
                             stdout=subprocess.PIPE, text=True)
     with cap_process(proc.pid, 0.25) as cap:
@@ -58,9 +63,7 @@ def test_cap_limits_cpu_time_and_cleans_up():
 
 @pytest.mark.root
 def test_cap_self_and_release_returns_to_origin():
-    ok, why = can_cap()
-    if not ok:
-        pytest.skip(why)
+    _require(can_cap)
     cap = cap_process(None, 0.5)
     origin = cap.origin
     assert str(cap.pid) in (cap.path / "cgroup.procs").read_text().split()
@@ -72,9 +75,7 @@ def test_cap_self_and_release_returns_to_origin():
 
 @pytest.mark.root
 def test_stale_cleanup_spares_caps_of_live_processes():
-    ok, why = can_cap()
-    if not ok:
-        pytest.skip(why)
+    _require(can_cap)
     hierarchy, _ = cpucap._find_hierarchy()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -141,10 +142,8 @@ print(mine[0], other[0])
 @pytest.mark.root
 @pytest.mark.slow
 def test_compute_cap_slows_the_main_thread_only():
-    ok, why = can_cap()
-    if not ok:
-        pytest.skip(why)
-    if cpucap._find_hierarchy()[0].version != 1:
+    _require(can_cap)
+    if not cpucap.can_cap_threads()[0]:
         with pytest.raises(PermissionError, match="cgroup v1"):
             cap_process(None, 0.25, threads="compute")
         return
@@ -187,9 +186,7 @@ print(main, other, cgroup(os.getpid()), cap.path.exists(), cap.free.exists(), ca
 
 @pytest.mark.root
 def test_compute_cap_of_itself_places_threads_and_cleans_up():
-    ok, why = cpucap.can_cap_threads()
-    if not ok:
-        pytest.skip(why)
+    _require(cpucap.can_cap_threads)
     out = subprocess.run([sys.executable, "-c", SELF_CAP], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     main, other, after, capped_left, free_left, path = out.stdout.split()

@@ -264,18 +264,17 @@ class CpuCap:
         for d in (self.path, self.free):
             if d is not None:
                 self._move_back(d)
-        attempts = {self.path: 1, self.free: 30}
-        for d in (self.path, self.free):
+        for d, tries in ((self.path, 1), (self.free, 30)):
             if d is None:
                 continue
-            for attempt in range(attempts[d]):
+            for attempt in range(tries):
                 try:
                     d.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError as exc:
-                    if attempt + 1 < attempts[d]:
+                    if attempt + 1 < tries:
                         time.sleep(0.01)
                         self._move_back(d)
                     elif not quiet:

@@ -102,7 +102,7 @@ class _State:
     # -- step boundary ------------------------------------------------------------------------------
     def _on_step(self, args: tuple, kwargs: dict) -> None:
         self.step += 1
-        self._close_previous(_flat_tensors((args, kwargs)))
+        self._close_previous(tensor_leaves((args, kwargs)))
         self.shapes = input_shapes(args, kwargs)
         exact = signature_of(self.shapes)
         if exact in self.no_backward:  # an evaluation shape: the plan in force serves it; watch for a backward
@@ -185,7 +185,7 @@ class _State:
         forward (a validation loss computed with grad enabled) is not a training step."""
         if (self.session is None and self.meter is None and self.watching is None) or self._bwd_hook is not None:
             return
-        outs = [t for t in _output_tensors(output) if t.requires_grad]
+        outs = [t for t in tensor_leaves(output, into_mappings=True) if t.requires_grad]  # unregistered mappings too
         if not outs:
             self.backward_seen = None
             return
@@ -422,7 +422,7 @@ class _State:
             self.meter = compiled_meter(self.device)
         else:
             self.meter = make_meter(self.device)
-        self.meter.start(known_tensors(self._model(), _flat_tensors(inputs)))
+        self.meter.start(known_tensors(self._model(), tensor_leaves(inputs)))
         self.meter.mark("step_begin", "certify")
 
     def close(self) -> None:
@@ -441,15 +441,6 @@ def _overshoot_margin(p: Plan, measured: int, over: int) -> int:
     measured error for this plan (measured - predicted), not only the overshoot, since a plan predicted
     just inside budget - (margin + over) would be chosen again and miss by as much."""
     return max(p.margin_bytes + over, measured - (p.predicted_peak_bytes or 0)) + max(over // 8, 4096)
-
-
-def _output_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors of a forward's output (tuples, lists, dicts and mappings such as transformers' ModelOutput)."""
-    return tensor_leaves(obj, into_mappings=True)
-
-
-def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    return tensor_leaves(obj)
 
 
 def _record(p: Plan) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from memrt.memory.meter import status_bytes
+from memrt.memory.trees import tensor_leaves
 
 __all__ = ["compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
            "compiled_meter"]
@@ -42,8 +43,6 @@ def compiled_action(action: str) -> str:
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
-    from memrt.memory.trees import tensor_leaves
-
     return [t for t in tensor_leaves(out) if t.requires_grad]
 
 

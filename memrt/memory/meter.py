@@ -88,7 +88,10 @@ class ResidentPeak:
         if self.hwm is not None:
             last, self._last = self._last, None
             return last
-        hwm, rss = _status_fields("VmHWM", "VmRSS")
+        return self._stretch(live_bytes, *_status_fields("VmHWM", "VmRSS"))
+
+    def _stretch(self, live_bytes: int, hwm: int | None, rss: int | None) -> int | None:
+        """:meth:`segment_peak` from one reading of the mark and the resident size."""
         if None in (hwm, rss, self.rss0, self._seen) or hwm <= self._seen:
             return None
         self._seen = hwm
@@ -100,9 +103,10 @@ class ResidentPeak:
         ``live_bytes``, also the open stretch's reading, which :meth:`segment_peak` returns next (what the
         process does after the step is not the step's)."""
         if self.hwm is None:
+            hwm, rss = _status_fields("VmHWM", "VmRSS")
             if live_bytes is not None:
-                self._last = self.segment_peak(live_bytes)
-            self.hwm = status_bytes("VmHWM")
+                self._last = self._stretch(live_bytes, hwm, rss)
+            self.hwm = hwm
 
     @property
     def peak(self) -> int | None:
