@@ -7,7 +7,8 @@ state, inputs) are found by scanning the garbage collector's objects (plus ``.gr
 and any tensors passed in ``extra``. Views and in-place results share a storage and count once.
 
 What it cannot see: scratch memory a kernel allocates and frees internally without returning it as a
-tensor, and allocator/heap overhead. ``tests/test_memory_tracker.py`` checks the peak against the
+tensor, allocator/heap overhead, and of code ``torch.compile`` made (which runs compiled under the tracker,
+an infrastructure mode to dynamo) the buffers inductor allocates without the dispatcher. ``tests/test_memory_tracker.py`` checks the peak against the
 process's peak RSS (glibc with ``MALLOC_MMAP_THRESHOLD_=65536``, so large blocks go back to the OS on
 free) and requires agreement within 10%.
 
@@ -73,6 +74,15 @@ def tensor_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | No
     return total
 
 
+def _is_tensor(obj: Any) -> bool:
+    """``isinstance(obj, torch.Tensor)``; False for a weak proxy whose object is gone (dynamo keeps some among
+    the garbage collector's objects, and ``isinstance`` of a dead proxy raises)."""
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:
+        return False
+
+
 class _StorageRef(weakref.ref):
     """A weak reference to a storage that knows the storage's key (cheaper than weakref.finalize)."""
 
@@ -87,6 +97,15 @@ class _StorageRef(weakref.ref):
 
 
 class _Mode(TorchDispatchMode):
+    """Sees every operator's output. An infrastructure mode to dynamo: code torch.compile made runs compiled
+    under it, as without it (dynamo runs a frame under a user's mode eagerly, which computes other bits, and
+    the frame then stays eager). Of compiled code it sees what the generated wrapper allocates through the
+    dispatcher and the tensors the graph returns, not the buffers inductor allocates directly."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
     def __init__(self, tracker: "CpuMemoryTracker") -> None:
         super().__init__()
         self.tracker = tracker
@@ -146,6 +165,8 @@ class CpuMemoryTracker:
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
+            return
+        if s.device.type != "cpu":  # a fake tensor of a graph dynamo traces under the tracker: no memory
             return
         k = s._cdata
         n = s.nbytes()
@@ -221,7 +242,7 @@ class CpuMemoryTracker:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+                objs = [o for o in gc.get_objects() if _is_tensor(o)]
             for obj in objs:
                 self._add(obj)
                 g = obj.grad if obj.requires_grad and obj.is_leaf else None

@@ -233,6 +233,46 @@ def compile_check(out_path: str, budget: int) -> None:
         json.dump(summary, f)
 
 
+def block_compile_check(out_path: str, budget: int) -> None:
+    """torch.compile of each block (torchtitan's way; the model itself stays eager), stock vs memrt.auto without
+    a budget (its steps measured) and at ``budget`` (profiled, planned, certified), 5 AdamW steps: states, plans.
+    Dropout on, embeddings tied. Fresh process, one thread. Writes a JSON summary to ``out_path``."""
+    import json
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=3, n_head=2, d_model=64, dropout=0.1)
+
+    def run(budget: Any) -> tuple[dict, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        for i, block in enumerate(m.blocks):
+            m.blocks[i] = torch.compile(block)
+        if budget != "stock":
+            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for s in range(5):
+            x, y = gpt_batch(cfg, 8, seed=s)
+            lm_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m)
+
+    ref, _ = run("stock")
+    summary: dict[str, Any] = {}
+    for budget in (None, budget):
+        state, plan = run(budget)
+        summary[str(budget)] = {"equal": all(torch.equal(state[k], ref[k]) for k in ref),
+                                "actions": {u.name: u.action for u in plan.units},
+                                "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes}
+    with open(out_path, "w") as f:
+        json.dump(summary, f)
+
+
 def fsdp_planned(rank: int, world: int, budgets: list[int]) -> dict[str, Any]:
     """FSDP2 (fully_shard per block) without memrt, then with memrt.auto at each budget: gathered states, plans."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 from typing import Any, Sequence
 
@@ -40,7 +41,7 @@ from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
 from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, make_meter, on_optimizer_step,
                                 owns_parameters, resident_bytes, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan, recompute_all_plan
-from memrt.memory.profile import Profile, ProfileSession, model_device
+from memrt.memory.profile import Profile, ProfileSession, UnitProfile, model_device
 from memrt.memory.trees import tensor_leaves
 from memrt.memory.units import expect_module, find_units, structure_key
 
@@ -96,6 +97,9 @@ class _State:
         self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                           for t in list(model.parameters()) + list(model.buffers())}.values())
         self.warned_untracked = False
+        self.sharded = _has_fsdp(model)
+        """FSDP2 modules run collectives and write gradients in any backward: no shadow profile beside a
+        compiled step (its profiling step runs eagerly instead)."""
         self.handle = ApplyHandle(model, None, units=units, offload_dir=config.offload_dir, on_step=self._on_step,
                                   on_other=self._on_other, on_output=self._on_output)
 
@@ -142,13 +146,16 @@ class _State:
             self._make_plan(profile, margin=0, tries=1, scale=shape_scale(shapes, bucket_shapes(self.shapes)))
             self._maybe_measure((args, kwargs))
             return
-        if self.handle.inst.compiled_step:  # a compiled step: profiled eagerly beside it, then planned
+        if self.handle.inst.traced_step and not self.sharded:  # profiled eagerly beside the compiled step
             from memrt.memory.compiled import shadow_profile
 
             profile = shadow_profile(self._model(), self.units, self.device, args, kwargs,
                                      lambda call: setattr(self.handle, "_override", call))
             profile.signature = sig
             self._make_plan(profile, margin=0, tries=1)
+            return
+        if self.handle.inst.traced_step:  # FSDP2 compiled whole: nothing to profile; the measured floor
+            self._floor_unprofiled(sig)
             return
         # profile this step: every unit recomputed
         self.session = ProfileSession(self._model(), self.units, device=self.device)
@@ -342,6 +349,21 @@ class _State:
         self._use_plan(p, profile, tries=MAX_TRIES, scale=1.0)  # a miss is final: no plan saves more
         return True
 
+    def _floor_unprofiled(self, sig: str) -> None:
+        """A compiled step of an FSDP2 model: its units run inside dynamo's graph, where memrt's unit calls do
+        not run, and a profile beside the step would run FSDP2's collectives and gradient reduction. Every unit
+        is recomputed and the compiled step measured (a miss is a BudgetError naming the measured peak)."""
+        logger.warning("memrt: a torch.compile'd FSDP2 model cannot be profiled unit by unit (its units run "
+                       "inside the compiled graph); every unit is recomputed and the compiled step measured against "
+                       "the budget. Compile each block instead of the whole model (torchtitan's way) for a plan "
+                       "that keeps what fits")
+        profile = Profile(device=str(self.device), structure=self.structure, signature=sig,
+                          units=[UnitProfile(index=i, name=name, has_backward=True)
+                                 for i, (name, _) in enumerate(self.units)])
+        p = recompute_all_plan(profile, self.budget)
+        p.floor_trial = True
+        self._use_plan(p, profile, tries=MAX_TRIES, scale=1.0)
+
     def _use_plan(self, p: Plan, profile: Profile, *, tries: int, scale: float) -> None:
         p.tries = tries
         p.shape_scale = scale
@@ -372,8 +394,9 @@ class _State:
             self.key, self.entry = None, None
             self.handle.set_plan(None)
             if p.floor_trial:  # the compiled step's floor, measured (_try_floor_compiled)
+                said = f" (the eager profile predicted {p.predicted_peak_bytes})" if p.predicted_peak_bytes else ""
                 raise BudgetError(self.budget, measured, f"the compiled step with every unit recomputed "
-                                  f"measured {measured} bytes (the eager profile predicted {p.predicted_peak_bytes})")
+                                  f"measured {measured} bytes{said}")
             raise BudgetError(self.budget, measured + p.margin_bytes,
                               f"measured peak {measured} bytes exceeds the budget by {over} bytes after "
                               f"{p.tries} plans (predicted {p.predicted_peak_bytes}); the error term of the "
@@ -416,7 +439,7 @@ class _State:
 
     def _start_measure(self, inputs: Any) -> None:
         self.backward_seen = False
-        if self.handle.inst.compiled_step:  # no dispatch mode under dynamo: it would run the step eagerly
+        if self.handle.inst.compiled_step:  # resident memory: the tracker does not see inductor's buffers
             from memrt.memory.compiled import compiled_meter
 
             self.meter = compiled_meter(self.device)
@@ -490,6 +513,15 @@ def auto(model: nn.Module, budget: int | str | Budget | None = None, *, config: 
         cache = PlanCache(cache_dir) if cache_dir is not None else default_cache()
     _STATES[model] = _State(model, budget_bytes, units=units, offload=off, cache=cache, config=cfg)
     return compiled
+
+
+def _has_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule is an FSDP2 module (``fully_shard``)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:

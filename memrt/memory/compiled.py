@@ -2,6 +2,9 @@
 
 Two cases, one mechanism: ``torch.compile(model)`` of a model :func:`memrt.auto` instruments, and
 ``memrt.auto(torch.compile(model))`` (auto then instruments the compiled module's original model).
+A model whose blocks are compiled one by one (``torch.compile(block)``, torchtitan's way) runs its units
+outside any graph: it is profiled and planned as an eager model (a recomputed unit replays its compiled
+forward), and measured as compiled steps are.
 
 - **Step boundary**: memrt's step hook runs outside the graph (``torch._dynamo.disable``); it is told
   whether the step it starts is being compiled (``torch.compiler.is_compiling()`` is evaluated in
@@ -16,8 +19,10 @@ Two cases, one mechanism: ``torch.compile(model)`` of a model :func:`memrt.auto`
   of the same inputs first: gradients through ``torch.autograd.grad`` (no ``.grad`` is touched), the
   user's random generators forked and restored, buffers restored. The real step then runs compiled
   with the plan, and certification measures the compiled steps that follow: allocator statistics on
-  CUDA; on CPU :class:`CompiledCpuMeter` (resident memory), because memrt's CPU tracker is a dispatch
-  mode, and dynamo runs a step under an active dispatch mode eagerly.
+  CUDA; on CPU :class:`CompiledCpuMeter` (resident memory), because memrt's CPU tracker (a dispatch mode
+  dynamo lets compiled code run under) does not see the buffers inductor allocates directly. An FSDP2
+  model compiled whole gets no profile (one beside the step would run FSDP2's collectives and gradient
+  reduction): every unit is recomputed and the compiled step measured.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from memrt.memory.meter import status_bytes
+from memrt.memory.meter import graphs_compiled, status_bytes
 from memrt.memory.trees import tensor_leaves
 
 __all__ = ["compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
@@ -87,14 +92,6 @@ def _status_bytes(field: str) -> int:
     return value
 
 
-def _graphs_compiled() -> int:
-    """A count that moves whenever torch compiles: dynamo's frames, and AOTAutograd / inductor, which compile
-    a graph's backward lazily, in the first backward that runs it (dynamo's own counters stay still then)."""
-    from torch._dynamo.utils import counters
-
-    return int(sum(sum(c.values()) for c in counters.values()))
-
-
 class _RssSampler:
     """The highest resident set size seen by polling ``/proc/self/statm`` every ``interval_s`` on a thread."""
 
@@ -126,7 +123,7 @@ class _RssSampler:
 
 
 class CompiledCpuMeter:
-    """The peak of a compiled CPU step, without a dispatch mode (which would make dynamo run the step eagerly).
+    """The peak of a compiled CPU step from resident memory (a dispatch mode does not see inductor's buffers).
 
     ``peak`` = bytes of the tensors known at the start (parameters, inputs, optimizer state) + the growth
     of the process's resident memory over the step. The growth is exact when the kernel's high-water mark
@@ -152,12 +149,12 @@ class CompiledCpuMeter:
     def valid(self) -> bool:
         """False when torch compiled during the step (forward or backward graph): compiling's own memory is not
         the step's."""
-        return _graphs_compiled() == self._graphs
+        return graphs_compiled() == self._graphs
 
     def start(self, extra: Any = ()) -> None:
         from memrt.memory.profile import _storage_ids
 
-        self._graphs = _graphs_compiled()
+        self._graphs = graphs_compiled()
         self._known = sum(_storage_ids([t for t in extra if isinstance(t, torch.Tensor)]).values())
         self._rss0 = _status_bytes("VmRSS")
         self._hwm0 = _status_bytes("VmHWM")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["Instrumentation", "UnitCall", "compiled_unit_call"]
+__all__ = ["Instrumentation", "UnitCall", "compiled_unit_call", "is_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,13 @@ class Instrumentation:
         self.compiled_fallbacks: dict[str, str] = {}
         """Units a compiled step recomputes instead of their planned action (unit name -> that action)."""
         self.compiled_step = False
-        """Whether the step that began last is being compiled by dynamo."""
+        """Whether the step that began last runs compiled code: dynamo traces the model's forward, or the
+        model holds compiled submodules (``torch.compile(block)``, ``block.compile()``)."""
+        self.traced_step = False
+        """Whether dynamo traces the model's forward in the step that began last (the units' calls are then
+        inside its graph, where memrt's unit calls do not run)."""
+        self.compiled_parts = any(is_compiled(m) for m in model.modules())
+        """Whether the model holds compiled submodules: its steps are then measured as compiled steps are."""
         if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
             _pre_outside_graph()
         self._saved: list[tuple[nn.Module, bool, Any]] = []
@@ -88,6 +94,18 @@ class Instrumentation:
             else:
                 module.__dict__.pop("forward", None)
         self._saved.clear()
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs code torch.compile made: a ``torch.compile(module)`` wrapper (FSDP2's
+    subclass of one included) or a module compiled in place (``module.compile()``)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    if "torch._dynamo" not in sys.modules:  # no wrapper can exist before dynamo is imported
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
 
 
 def _class_forward(module: nn.Module) -> Callable[..., Any]:
@@ -148,7 +166,8 @@ class _StepHook:
 
 
 def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
-    inst.compiled_step = compiled
+    inst.traced_step = compiled
+    inst.compiled_step = compiled or inst.compiled_parts
     if compiled and inst.compiled_fallbacks:  # a compiled step recomputes what the plan offloads: say so once
         for action in sorted(set(inst.compiled_fallbacks.values()) - _FALLBACKS_SAID):
             _FALLBACKS_SAID.add(action)

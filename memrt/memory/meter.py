@@ -11,6 +11,7 @@ resident high-water mark; CUDA: reserved bytes), so memory outside the tensors e
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import Any, Iterable
@@ -57,6 +58,17 @@ def _status_fields(*fields: str) -> list[int | None]:
     except (OSError, ValueError, IndexError):
         pass
     return [found.get(name) for name in fields]
+
+
+def graphs_compiled() -> int:
+    """A count that moves whenever torch compiles: dynamo's frames, and AOTAutograd / inductor, which compile
+    a graph's backward lazily, in the first backward that runs it (dynamo's own counters stay still then).
+    Compiling takes resident memory that is not a step's (0 before dynamo is imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(sum(sum(c.values()) for c in counters.values()))
 
 
 class ResidentPeak:
@@ -139,10 +151,12 @@ class CpuMeter(Meter):
         self.tracker = CpuMemoryTracker(record=record)
         self.scan_gc = scan_gc
         self.resident: ResidentPeak | None = None
+        self._graphs = self._graphs_at_start = 0
 
     def start(self, extra: Iterable[Any] = ()) -> None:
         self.tracker.start(extra, scan_gc=self.scan_gc)
         self.resident = ResidentPeak(self.tracker.live_bytes)
+        self._graphs = self._graphs_at_start = graphs_compiled()
 
     def stop(self) -> None:
         if self.resident is not None:
@@ -157,8 +171,11 @@ class CpuMeter(Meter):
 
     @property
     def resident_peak(self) -> int | None:
-        """The step's peak as resident memory shows it (:class:`ResidentPeak`), None where not known."""
-        return None if self.resident is None else self.resident.peak
+        """The step's peak as resident memory shows it (:class:`ResidentPeak`), None where not known or where
+        torch compiled during the step (the compiler's memory is not the step's)."""
+        if self.resident is None or graphs_compiled() != self._graphs_at_start:
+            return None
+        return self.resident.peak
 
     def track(self, tensors: Iterable[Any]) -> None:
         """Count these tensors now (those not counted yet)."""
@@ -174,6 +191,9 @@ class CpuMeter(Meter):
         part of the unit's transient, and the plan made from the profile accounts for it."""
         peak, ghost = self.tracker.segment()
         high = self.resident.segment_peak(self.tracker.live_bytes) if self.resident is not None else None
+        graphs, self._graphs = self._graphs, graphs_compiled()
+        if graphs != self._graphs:  # torch compiled in this stretch: the rise is the compiler's
+            high = None
         return _raised_to(peak, ghost, 0 if high is None else high - peak, "cpu")
 
     def ghost(self, t: torch.Tensor) -> None:
@@ -185,6 +205,7 @@ class CpuMeter(Meter):
     def mark(self, kind: str, label: str = "") -> None:
         if self.resident is not None:  # a mark drops the stretch's peak (as the tracker's): so is its rise
             self.resident.segment_peak(self.tracker.live_bytes)
+            self._graphs = graphs_compiled()
         self.tracker.mark(kind, label)
 
     @property
