@@ -24,7 +24,10 @@ three (``memrt.comm.comm_mode``); times = medians of the rounds, auto/best = the
 ratios auto / best algorithm (paired in time) with its 95% confidence interval, so the three see the same
 machine (separate runs of a few-millisecond call differ by tens of percent on a shared machine). The last
 line counts the points where that interval shows auto within 5% of the best, shows it slower, or cannot
-tell. auto's warm-up includes the timed trials it runs once per job and size class where the cost model
+tell. auto differs from the best only by noise where it picks the best, so that interval resolves slowly on a
+noisy machine; the decomposed check bounds auto / best by max(1, chosen / other) x (1 + decision / chosen):
+the paired ratio of the two algorithms (both timed every round; their 95% interval) times auto's measured
+per-call decision cost over the chosen mode's (no collective involved). auto's warm-up includes the timed trials it runs once per job and size class where the cost model
 cannot tell flat and hier apart (:mod:`memrt.comm.measured_pick`). Without that arm, from the memrt-flat,
 memrt-hier and memrt-auto arms.
 """
@@ -199,14 +202,43 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
                             chosen |= {r.algorithm for r in log[seen:] if r.op == op}
                     tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
                     times[mode].append(float(elapsed))
+            decision = _decision_seconds(op, user_bytes, chosen)
             for mode in CHECK_MODES:
                 rows.append({"op": op, "size": numel * 4, "mode": mode, "time_s": statistics.median(times[mode]),
                              "rounds": rounds, "calls": calls, "times_s": times[mode],
                              "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode,
-                             "predicted_s": predicted if mode == "auto" else None})
+                             "predicted_s": predicted if mode == "auto" else None,
+                             "decision_s": decision if mode == "auto" else None})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"impl": "memrt-check", "world": n, "rows": rows}), flush=True)
     dist.destroy_process_group()
+
+
+def _decision_seconds(op: str, user_bytes: int, chosen: set[str]) -> float | None:
+    """What choosing costs auto per call over running its chosen algorithm directly: the time of memrt.comm's
+    per-call decision under ``auto`` less under the chosen mode (median of 5 batches of 2,000 decisions; no
+    collective runs). None when auto ran more than one algorithm at this size."""
+    import statistics
+
+    import torch
+
+    import memrt.comm as dist
+    from memrt.comm.dispatch import decide
+
+    if len(chosen) != 1:
+        return None
+
+    def per_call(mode: str) -> float:
+        out = []
+        with dist.comm_mode(mode):
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(2000):
+                    decide(op, user_bytes, torch.float32)
+                out.append((time.perf_counter() - t0) / 2000)
+        return statistics.median(out)
+
+    return max(0.0, per_call("auto") - per_call(next(iter(chosen))))
 
 
 def _mpi_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
@@ -381,13 +413,32 @@ def auto_check(res: dict[str, Any], op: str) -> list[dict[str, Any]]:
         chose = auto.get("algorithm")
         chose_s = {"flat": flat, "hier": hier}.get(chose or "")
         ratio, low, high = _paired_ratio(auto, modes[best_mode])
-        out.append({"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
-                    "best": best_mode, "auto_chose": chose, "source": source,
-                    "predicted_s": auto.get("predicted_s"), "auto_over_best": ratio,
-                    "auto_over_best_ci95": [low, high], "slower": ratio > AUTO_SLACK,
-                    "shown_within": high <= AUTO_SLACK, "shown_slower": low > AUTO_SLACK,
-                    "wrong": chose_s is not None and chose_s > AUTO_SLACK * best})
+        row = {"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
+               "best": best_mode, "auto_chose": chose, "source": source,
+               "predicted_s": auto.get("predicted_s"), "auto_over_best": ratio,
+               "auto_over_best_ci95": [low, high], "slower": ratio > AUTO_SLACK,
+               "shown_within": high <= AUTO_SLACK, "shown_slower": low > AUTO_SLACK,
+               "wrong": chose_s is not None and chose_s > AUTO_SLACK * best}
+        row.update(_decomposed(modes, chose, auto.get("decision_s")))
+        out.append(row)
     return out
+
+
+def _decomposed(modes: dict[str, dict[str, Any]], chose: str | None, decision_s: float | None) -> dict[str, Any]:
+    """auto's time = its chosen algorithm's time + its decision cost (the same code runs the collective), so
+    auto / best <= max(1, chosen / other) x (1 + decision / chosen's time). The first factor is the paired
+    ratio of the two algorithms timed in the same rounds (both run every round, so the rounds resolve it far
+    sooner than auto vs best, which differ by noise alone when auto picks the best); the second is measured
+    without a collective. ``bound_ci95_high`` is the 95% upper bound of the product (the ratio's interval)."""
+    if chose not in ("flat", "hier") or decision_s is None:
+        return {"pick_over_other": None, "pick_ci95": None, "decision_s": decision_s, "bound_ci95_high": None,
+                "bound_within": False, "pick_wrong": False}
+    other = "hier" if chose == "flat" else "flat"
+    ratio, low, high = _paired_ratio(modes[chose], modes[other])
+    overhead = 1.0 + decision_s / modes[chose]["time_s"]
+    bound = max(1.0, high) * overhead
+    return {"pick_over_other": ratio, "pick_ci95": [low, high], "decision_s": decision_s, "bound_ci95_high": bound,
+            "bound_within": bound <= AUTO_SLACK, "pick_wrong": low > AUTO_SLACK}
 
 
 def _paired_ratio(auto: dict[str, Any], best: dict[str, Any]) -> tuple[float, float, float]:
@@ -417,6 +468,9 @@ def _auto_rows(checks: list[dict[str, Any]]) -> list[list[str]]:
     return [[f"{c['size']}", f"{c['auto_s'] * 1e6:.1f}", c["auto_chose"] or "-", f"{c['flat_s'] * 1e6:.1f}",
              f"{c['hier_s'] * 1e6:.1f}", c["best"], _predicted(c), f"{c['auto_over_best']:.3f}",
              "{:.3f}-{:.3f}".format(*c["auto_over_best_ci95"]),
+             "-" if c.get("pick_ci95") is None else "{:.3f} ({:.3f}-{:.3f})".format(c["pick_over_other"], *c["pick_ci95"]),
+             "-" if c.get("decision_s") is None else f"{c['decision_s'] * 1e6:.1f}",
+             "-" if c.get("bound_ci95_high") is None else f"{c['bound_ci95_high']:.3f}",
              ", ".join(w for w, on in ((f"SLOWER (> {AUTO_SLACK:.2f}x best)", c["slower"]),
                                        ("WRONG CHOICE", c.get("wrong"))) if on) or "ok"] for c in checks]
 
@@ -460,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             res["auto_check"].extend(checks)
             if checks:
                 print_table(["size (B)", "auto (us)", "auto chose", "flat (us)", "hier (us)", "best",
-                             "predicted flat / hier (us)", "auto/best", "95% CI", "check"], _auto_rows(checks),
+                             "predicted flat / hier (us)", "auto/best", "95% CI", "chosen/other (95% CI)",
+                             "decision +us", "bound (95%)", "check"], _auto_rows(checks),
                             title=f"{op} | {net} | memrt-auto vs the better of flat and hier ({checks[0]['source']})")
         slow = [c for c in res["auto_check"] if c["slower"]]
         wrong = [c for c in res["auto_check"] if c["wrong"]]
@@ -478,6 +533,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"of {len(res['auto_check'])} points, more than {AUTO_SLACK:.2f}x at {len(above)}"
                   + (": " + ", ".join(f"{c['op']} {c['size']} B" for c in above) if above else "")
                   + f", not resolved by the rounds at {len(res['auto_check']) - len(within) - len(above)}",
+                  flush=True)
+            bound = [c for c in res["auto_check"] if c.get("bound_within")]
+            picked_wrong = [c for c in res["auto_check"] if c.get("pick_wrong")]
+            open_ = [c for c in res["auto_check"] if not c.get("bound_within")]
+            costs = [c["decision_s"] for c in res["auto_check"] if c.get("decision_s") is not None]
+            print(f"# {net}: decomposed (auto = its chosen algorithm + its decision cost): with 95% confidence auto "
+                  f"within {AUTO_SLACK:.2f}x the better algorithm at {len(bound)} of {len(res['auto_check'])} points; "
+                  f"a pick shown more than {AUTO_SLACK:.2f}x the other algorithm at {len(picked_wrong)}"
+                  + (": " + ", ".join(f"{c['op']} {c['size']} B" for c in picked_wrong) if picked_wrong else "")
+                  + (f"; not shown at {len(open_)}: " + ", ".join(
+                      f"{c['op']} {c['size']} B ({'-' if c.get('bound_ci95_high') is None else format(c['bound_ci95_high'], '.3f')})"
+                      for c in open_) if open_ else "")
+                  + (f"; decision cost {min(costs) * 1e6:.1f}-{max(costs) * 1e6:.1f} us per call" if costs else ""),
                   flush=True)
     write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out,
                                                "failed": failures()})

@@ -43,7 +43,7 @@ __all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "to
 
 logger = logging.getLogger(__name__)
 
-PROBE_FORMAT = 2
+PROBE_FORMAT = 3
 """Version of what the probe measures; part of the cache key, so that a model cached by an older probe
 (without every op's call overhead) is measured again."""
 
@@ -182,6 +182,11 @@ def _time_calls(fns: Sequence[Callable[[], Any]], reps: int = 5, device: torch.d
 
 SMALL_BATCH = 5
 """8-byte calls are timed five back to back per sample."""
+SMALL_REPS = 25
+"""Samples of each 8-byte call per algorithm: flat and hierarchical calls of a few milliseconds differ by
+10-20% on a shared machine whose calls spread by as much; 7 samples ranked them the wrong way round (4 ranks
+on 2 cores: all-gather's hierarchical path measured 10% faster than flat, which 400 paired calls put 5-27%
+slower)."""
 
 CALIBRATION_BYTES = 16 << 20
 """Size of the mid-size call of each algorithm that calibrates its efficiency (four 4 MiB pipeline chunks)."""
@@ -243,10 +248,10 @@ def _call_times(topology, api: Any, device: torch.device | None = None) -> list[
     seen = len(log)
     out = []
     try:
-        for nbytes, reps in ((8, 7), (MID_CALL_BYTES, 9), (CALIBRATION_BYTES, 5)):
+        for nbytes, reps in ((8, SMALL_REPS), (MID_CALL_BYTES, 9), (CALIBRATION_BYTES, 5)):
             out += timed("all_reduce", nbytes, reps)
         for op in _timed_ops(topology.nodes):
-            for nbytes, reps in ((8 * world if op == "reduce_scatter" else 8, 7), (MID_CALL_BYTES, 9)):
+            for nbytes, reps in ((8 * world if op == "reduce_scatter" else 8, SMALL_REPS), (MID_CALL_BYTES, 9)):
                 out += timed(op, nbytes, reps)
     finally:
         del log[seen:]

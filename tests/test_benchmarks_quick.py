@@ -59,7 +59,11 @@ def test_benchmarks_quick_modes(tmp_path):
     for c in checks:
         assert c["source"] == "interleaved" and c["auto_chose"] in ("flat", "hier"), c
         assert c["flat_s"] > 0 and c["hier_s"] > 0 and c["auto_s"] > 0
-    assert "(interleaved)" in out
+        # the decomposed bound: the pick's paired ratio and auto's decision cost, measured
+        assert c["decision_s"] is not None and 0 <= c["decision_s"] < 1e-3, c
+        low, high = c["pick_ci95"]
+        assert low <= c["pick_over_other"] <= high and c["bound_ci95_high"] >= max(1.0, high), c
+    assert "(interleaved)" in out and "decomposed (auto = its chosen algorithm" in out
     assert data["failed"] == [] and "FAIL" not in out
 
     # end to end: unchanged script, stock vs MEMRT=1 (exact mode trains to the same loss)

@@ -1,0 +1,52 @@
+"""The collectives sweep's auto check on synthetic rounds: the direct interval and the decomposed bound."""
+
+from __future__ import annotations
+
+import random
+
+from benchmarks.collectives_sweep import AUTO_SLACK, auto_check
+
+
+def _res(flat: list[float], hier: list[float], auto: list[float], chose: str, decision_s: float | None) -> dict:
+    def row(mode: str, times: list[float]) -> dict:
+        return {"op": "all_gather", "size": 4096, "mode": mode, "time_s": sorted(times)[len(times) // 2],
+                "times_s": times, "algorithm": chose if mode == "auto" else mode,
+                "predicted_s": {"flat": 1e-3, "hier": 2e-3} if mode == "auto" else None,
+                "decision_s": decision_s if mode == "auto" else None}
+
+    return {"results": {"memrt-check": {"rows": [row("flat", flat), row("hier", hier), row("auto", auto)]}}}
+
+
+def _noisy(base: float, n: int, spread: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [base * (1 + rng.uniform(-spread, spread)) for _ in range(n)]
+
+
+def test_right_pick_is_shown_within_where_the_direct_interval_cannot_tell():
+    flat, hier = _noisy(3e-3, 42, 0.15, 1), _noisy(4e-3, 42, 0.15, 2)
+    auto = _noisy(3e-3, 42, 0.15, 3)  # the same algorithm as flat: auto vs flat differ by noise only
+    (c,) = auto_check(_res(flat, hier, auto, "flat", 2e-6), "all_gather")
+    assert not c["shown_within"], c  # +-15% per round: the direct interval is too wide for 5%
+    assert c["bound_within"] and c["bound_ci95_high"] <= AUTO_SLACK and not c["pick_wrong"], c
+    assert c["pick_ci95"][1] < 1.0, c
+
+
+def test_wrong_pick_is_shown_wrong_and_not_within():
+    flat, hier = _noisy(3e-3, 42, 0.05, 1), _noisy(4e-3, 42, 0.05, 2)
+    (c,) = auto_check(_res(flat, hier, _noisy(4e-3, 42, 0.05, 3), "hier", 2e-6), "all_gather")
+    assert c["pick_wrong"] and not c["bound_within"] and c["wrong"], c
+
+
+def test_close_algorithms_and_a_costly_decision_are_not_shown():
+    flat, hier = _noisy(3e-3, 42, 0.15, 1), _noisy(3.05e-3, 42, 0.15, 2)  # within noise of each other
+    (c,) = auto_check(_res(flat, hier, _noisy(3e-3, 42, 0.15, 3), "hier", 2e-6), "all_gather")
+    assert not c["bound_within"], c  # the interval of hier / flat reaches past 1.05
+    flat, hier = [3e-3] * 42, [6e-3] * 42
+    (c,) = auto_check(_res(flat, hier, [3.3e-3] * 42, "flat", 3e-4), "all_gather")  # a 10% decision cost
+    assert c["bound_ci95_high"] > AUTO_SLACK and not c["bound_within"], c
+
+
+def test_no_bound_where_auto_ran_both_algorithms():
+    flat, hier = [3e-3] * 10, [6e-3] * 10
+    (c,) = auto_check(_res(flat, hier, [3e-3] * 10, "flat/hier", None), "all_gather")
+    assert c["bound_ci95_high"] is None and not c["bound_within"], c
