@@ -44,8 +44,8 @@ __all__ = ["probe_links", "ensure_link_model", "attach_links", "cache_path", "to
 logger = logging.getLogger(__name__)
 
 PROBE_FORMAT = 3
-"""Version of what the probe measures; part of the cache key, so that a model cached by an older probe
-(without every op's call overhead) is measured again."""
+"""Version of what the probe measures; part of the cache key, so that a model cached by an older probe (with
+fewer samples of the per-call latencies, or without every op's call overhead) is measured again."""
 
 INTRA_SIZES = (8, 256 << 10, 4 << 20)
 """Bytes per exchange for the intra tier."""
@@ -183,10 +183,10 @@ def _time_calls(fns: Sequence[Callable[[], Any]], reps: int = 5, device: torch.d
 SMALL_BATCH = 5
 """8-byte calls are timed five back to back per sample."""
 SMALL_REPS = 25
-"""Samples of each 8-byte call per algorithm: flat and hierarchical calls of a few milliseconds differ by
-10-20% on a shared machine whose calls spread by as much; 7 samples ranked them the wrong way round (4 ranks
-on 2 cores: all-gather's hierarchical path measured 10% faster than flat, which 400 paired calls put 5-27%
-slower)."""
+"""Samples of each 8-byte call per algorithm. Flat and hierarchical calls of a few milliseconds can differ by
+10-20% where single calls spread by as much (ranks sharing cores), so the per-call latencies that decide small
+calls need enough samples to rank the two paths; 25 x ``SMALL_BATCH`` calls take a few seconds once per
+topology (the model is cached)."""
 
 CALIBRATION_BYTES = 16 << 20
 """Size of the mid-size call of each algorithm that calibrates its efficiency (four 4 MiB pipeline chunks)."""

@@ -79,3 +79,6 @@ def test_block_compiled_model_keeps_plan_and_bits(tmp_path):
     assert s["equal"], "memrt at a budget: state differs from per-block compiled stock"
     assert set(s["actions"].values()) == {"recompute", "keep"}, s
     assert s["measured"] is not None and s["measured"] <= BLOCK_BUDGET, s
+    s = summary["in_place"]  # module.compile(): the units' calls run inside their graphs: the measured floor
+    assert s["equal"], "blocks compiled in place: state differs from stock"
+    assert set(s["actions"].values()) == {"recompute"} and s["measured"] <= BLOCK_BUDGET, s

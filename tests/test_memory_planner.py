@@ -143,3 +143,19 @@ def test_offload_predicted_free_does_not_displace_keep():
     actions = [u.action for u in tight.units]
     assert "recompute" not in actions and 0 < actions.count("offload_disk") < 6, actions
     assert tight.added_seconds == 0.0
+
+
+def test_units_by_class_select_torch_compile_wrappers():
+    """``units=["Block"]`` on blocks wrapped by torch.compile: the wrappers are the units (their calls are what
+    runs), not the modules inside them, whose calls run inside the compiled graph."""
+    import torch
+
+    from memrt.memory.units import find_units
+    from memrt.testing.models import GPT, GPTConfig
+
+    m = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16))
+    for i, block in enumerate(m.blocks):
+        m.blocks[i] = torch.compile(block)  # wraps only: nothing compiles before a call
+    found = find_units(m, [type(m.blocks[0]._orig_mod).__name__])
+    assert [name for name, _ in found] == ["blocks.0", "blocks.1"]
+    assert all(mod is m.blocks[i] for i, (_, mod) in enumerate(found))

@@ -50,3 +50,9 @@ def test_no_bound_where_auto_ran_both_algorithms():
     flat, hier = [3e-3] * 10, [6e-3] * 10
     (c,) = auto_check(_res(flat, hier, [3e-3] * 10, "flat/hier", None), "all_gather")
     assert c["bound_ci95_high"] is None and not c["bound_within"], c
+
+
+def test_premise_checked_auto_slower_than_its_chosen_algorithm_is_not_shown():
+    flat, hier = _noisy(3e-3, 42, 0.02, 1), _noisy(6e-3, 42, 0.02, 2)
+    (c,) = auto_check(_res(flat, hier, _noisy(3.6e-3, 42, 0.02, 3), "flat", 2e-6), "all_gather")
+    assert c["premise_holds"] is False and not c["bound_within"], c

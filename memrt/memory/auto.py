@@ -99,7 +99,7 @@ class _State:
         self.warned_untracked = False
         self.sharded = _has_fsdp(model)
         """FSDP2 modules run collectives and write gradients in any backward: no shadow profile beside a
-        compiled step (its profiling step runs eagerly instead)."""
+        compiled step (the step's floor is measured instead, :meth:`_floor_unprofiled`)."""
         self.handle = ApplyHandle(model, None, units=units, offload_dir=config.offload_dir, on_step=self._on_step,
                                   on_other=self._on_other, on_output=self._on_output)
 
@@ -146,7 +146,8 @@ class _State:
             self._make_plan(profile, margin=0, tries=1, scale=shape_scale(shapes, bucket_shapes(self.shapes)))
             self._maybe_measure((args, kwargs))
             return
-        if self.handle.inst.traced_step and not self.sharded:  # profiled eagerly beside the compiled step
+        if self.handle.inst.traced_step and not self.sharded and not self.handle.inst.units_in_graph:
+            # profiled eagerly beside the compiled step
             from memrt.memory.compiled import shadow_profile
 
             profile = shadow_profile(self._model(), self.units, self.device, args, kwargs,
@@ -154,7 +155,7 @@ class _State:
             profile.signature = sig
             self._make_plan(profile, margin=0, tries=1)
             return
-        if self.handle.inst.traced_step:  # FSDP2 compiled whole: nothing to profile; the measured floor
+        if self.handle.inst.traced_step or self.handle.inst.units_in_graph:  # no unit call runs outside a graph
             self._floor_unprofiled(sig)
             return
         # profile this step: every unit recomputed
@@ -350,14 +351,15 @@ class _State:
         return True
 
     def _floor_unprofiled(self, sig: str) -> None:
-        """A compiled step of an FSDP2 model: its units run inside dynamo's graph, where memrt's unit calls do
-        not run, and a profile beside the step would run FSDP2's collectives and gradient reduction. Every unit
-        is recomputed and the compiled step measured (a miss is a BudgetError naming the measured peak)."""
-        logger.warning("memrt: a torch.compile'd FSDP2 model cannot be profiled unit by unit (its units run "
-                       "inside the compiled graph); every unit is recomputed and the compiled step measured against "
-                       "the budget. Compile each block instead of the whole model (torchtitan's way) for a plan "
-                       "that keeps what fits")
-        profile = Profile(device=str(self.device), structure=self.structure, signature=sig,
+        """Units whose calls run inside a compiled graph, where memrt's unit calls do not run, with no profile
+        beside the step (an FSDP2 model compiled whole: such a profile would run FSDP2's collectives and
+        gradient reduction; units compiled in place, ``block.compile()``): every unit is recomputed inside the
+        graph and the compiled step measured (a miss is a BudgetError naming the measured peak)."""
+        logger.warning("memrt: this model's units run inside a compiled graph where memrt cannot profile them one "
+                       "by one (an FSDP2 model compiled whole, or blocks compiled in place with module.compile()); "
+                       "every unit is recomputed and the compiled step measured against the budget. Compile each "
+                       "block with torch.compile(block) (torchtitan's way) for a plan that keeps what fits")
+        profile = Profile(device=str(self.device), structure=self.structure, signature=sig, unprofiled=True,
                           units=[UnitProfile(index=i, name=name, has_backward=True)
                                  for i, (name, _) in enumerate(self.units)])
         p = recompute_all_plan(profile, self.budget)

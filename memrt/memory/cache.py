@@ -81,8 +81,9 @@ class PlanCache:
             self._mem.popitem(last=False)
 
     def put(self, key: str, entry: CacheEntry) -> None:
+        """Keep ``entry`` (on disk too when the cache has a folder, unless its profile measured nothing)."""
         self._remember(key, entry)
-        if self.directory is None:
+        if self.directory is None or entry.profile.unprofiled:
             return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,8 @@ class Instrumentation:
         inside its graph, where memrt's unit calls do not run)."""
         self.compiled_parts = any(is_compiled(m) for m in model.modules())
         """Whether the model holds compiled submodules: its steps are then measured as compiled steps are."""
+        self.units_in_graph = any(getattr(m, "_compiled_call_impl", None) is not None for _, m in units)
+        """Whether units are compiled in place (``module.compile()``): their calls run inside their own graph."""
         if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
             _pre_outside_graph()
         self._saved: list[tuple[nn.Module, bool, Any]] = []

@@ -152,28 +152,41 @@ class CpuMeter(Meter):
         self.scan_gc = scan_gc
         self.resident: ResidentPeak | None = None
         self._graphs = self._graphs_at_start = 0
+        self._graphs_at_end: int | None = None
 
     def start(self, extra: Iterable[Any] = ()) -> None:
         self.tracker.start(extra, scan_gc=self.scan_gc)
         self.resident = ResidentPeak(self.tracker.live_bytes)
         self._graphs = self._graphs_at_start = graphs_compiled()
+        self._graphs_at_end = None
 
     def stop(self) -> None:
-        if self.resident is not None:
-            self.resident.end(self.tracker.live_bytes)
+        self._end_step()
         self.tracker.stop()
 
     def pause(self) -> None:
         """Stop counting new tensors; frees of counted ones still lower the live bytes."""
         self.tracker.pause()
+        self._end_step()
+
+    def _end_step(self) -> None:
         if self.resident is not None:
             self.resident.end(self.tracker.live_bytes)
+        if self._graphs_at_end is None:
+            self._graphs_at_end = graphs_compiled()
+
+    @property
+    def valid(self) -> bool:
+        """False when torch compiled during the step: the compiler's memory is in the resident reading and not
+        all of the compiled code's buffers are counted (the step is measured again)."""
+        end = self._graphs_at_end if self._graphs_at_end is not None else graphs_compiled()
+        return end == self._graphs_at_start
 
     @property
     def resident_peak(self) -> int | None:
         """The step's peak as resident memory shows it (:class:`ResidentPeak`), None where not known or where
-        torch compiled during the step (the compiler's memory is not the step's)."""
-        if self.resident is None or graphs_compiled() != self._graphs_at_start:
+        torch compiled during the step."""
+        if self.resident is None or not self.valid:
             return None
         return self.resident.peak
 

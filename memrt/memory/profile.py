@@ -101,6 +101,9 @@ class Profile:
     """Digest of the model structure (cache key part)."""
     signature: str = ""
     """Input shapes and dtypes (cache key part)."""
+    unprofiled: bool = False
+    """The units are named only: their calls ran inside a compiled graph, where memrt measures nothing per
+    unit. A plan made from it is the measured floor (every unit recomputed), kept in memory only."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

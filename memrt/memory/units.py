@@ -49,7 +49,8 @@ def find_units(model: nn.Module, unit_classes: Sequence[str] | None = None) -> l
         def walk_cls(prefix: str, m: nn.Module) -> None:
             for cname, child in m.named_children():
                 name = f"{prefix}{cname}"
-                if type(child).__name__ in wanted or type(child).__qualname__ in wanted:
+                inner = getattr(child, "_orig_mod", child)  # torch.compile's wrapper is the unit (its call)
+                if any(type(x).__name__ in wanted or type(x).__qualname__ in wanted for x in (child, inner)):
                     add(name, child)
                 else:
                     walk_cls(name + ".", child)
