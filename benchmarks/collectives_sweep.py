@@ -227,9 +227,10 @@ def _decision_seconds(op: str, user_bytes: int, chosen: set[str]) -> float | Non
 
     import memrt.comm as dist
     from memrt.comm.dispatch import decide
+    from memrt.comm.measured_pick import MOVE_OPS
     from memrt.comm.setup import STATE
 
-    if len(chosen) != 1 or not STATE.picks.settled(op, user_bytes):
+    if len(chosen) != 1 or (op in MOVE_OPS and not STATE.picks.settled(op, user_bytes)):
         return None
 
     def per_call(mode: str) -> float:
