@@ -488,7 +488,7 @@ def _auto_rows(checks: list[dict[str, Any]]) -> list[list[str]]:
              "-" if c.get("pick_ci95") is None
              else "{:.3f} ({:.3f}-{:.3f})".format(c["pick_over_other"], *c["pick_ci95"]),
              "-" if c.get("decision_s") is None else f"{c['decision_s'] * 1e6:.1f}",
-             "-" if c.get("bound_ci95_high") is None else f"{c['bound_ci95_high']:.3f}",
+             _bound_text(c),
              ", ".join(w for w, on in ((f"SLOWER (> {AUTO_SLACK:.2f}x best)", c["slower"]),
                                        ("WRONG CHOICE", c.get("wrong"))) if on) or "ok"] for c in checks]
 

@@ -355,9 +355,9 @@ def compile_floor_check(out_path: str) -> None:
                        predicted=plan.predicted_peak_bytes, eager_floor=plan.min_feasible_bytes)
         return out
 
-    # the tiny budget first: its compiled step then raises the process's high-water mark, which makes the floor
-    # it names exact (below an earlier mark the meter samples resident memory every millisecond, which can miss
-    # a short peak and name too small a floor)
+    # the tiny budget first, before the stock run has raised the process's high-water mark: its measured step is
+    # then more likely to raise the mark itself, an exact reading (below an earlier mark the meter samples
+    # resident memory every millisecond, which can miss a short peak and name too small a floor)
     summary: dict[str, Any] = {"tiny": run(1)}
     summary["stock"] = run(None)
     floor = summary["tiny"].get("min_feasible")

@@ -159,3 +159,51 @@ def test_units_by_class_select_torch_compile_wrappers():
     found = find_units(m, [type(m.blocks[0]._orig_mod).__name__])
     assert [name for name, _ in found] == ["blocks.0", "blocks.1"]
     assert all(mod is m.blocks[i] for i, (_, mod) in enumerate(found))
+
+
+def test_plan_cache_keeps_unprofiled_floor_plans_in_memory_only(tmp_path):
+    """A floor plan made without a per-unit profile (units inside a compiled graph) is never written to the
+    cache's folder: another process must profile for itself; a profiled plan is written."""
+    from memrt.memory.cache import CacheEntry, PlanCache
+
+    def entry(unprofiled: bool) -> CacheEntry:
+        units = [UnitProfile(index=0, name="blocks.0", has_backward=True)]
+        return CacheEntry(plan=Plan(budget_bytes=1000), profile=Profile(units=units, unprofiled=unprofiled))
+
+    cache = PlanCache(tmp_path)
+    cache.put("floor", entry(True))
+    cache.put("profiled", entry(False))
+    assert cache.get("floor") is not None  # in memory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profiled.json"]
+    assert PlanCache(tmp_path).get("floor") is None and PlanCache(tmp_path).get("profiled") is not None
+
+
+def test_units_inside_a_graph_are_told_apart_from_compiled_units():
+    """Units compiled in place or below a compiled submodule run inside a graph (no per-unit profile); units
+    that are torch.compile wrappers are called outside their graph (profiled and planned like eager ones)."""
+    import torch
+
+    from memrt.memory.instrument import Instrumentation
+    from memrt.memory.units import find_units
+
+    def inst(model):
+        i = Instrumentation(model, find_units(model), unit_call=lambda name, mod, fn, a, k: fn(*a, **k))
+        i.remove()
+        return i
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                                               torch.nn.Linear(4, 4)))
+
+    plain = model()
+    assert not inst(plain).compiled_parts and not inst(plain).units_in_graph
+    wrapped = model()
+    wrapped[1][0] = torch.compile(wrapped[1][0])
+    wrapped[1][1] = torch.compile(wrapped[1][1])
+    assert inst(wrapped).compiled_parts and not inst(wrapped).units_in_graph
+    in_place = model()
+    in_place[1][0].compile()
+    assert inst(in_place).units_in_graph
+    below = model()
+    below[1] = torch.compile(below[1])  # the units' container compiled: their calls are inside its graph
+    assert inst(below).units_in_graph

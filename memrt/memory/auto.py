@@ -97,11 +97,14 @@ class _State:
         self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                           for t in list(model.parameters()) + list(model.buffers())}.values())
         self.warned_untracked = False
+        self.warned_unprofiled = False
         self.sharded = _has_fsdp(model)
         """FSDP2 modules run collectives and write gradients in any backward: no shadow profile beside a
         compiled step (the step's floor is measured instead, :meth:`_floor_unprofiled`)."""
         self.handle = ApplyHandle(model, None, units=units, offload_dir=config.offload_dir, on_step=self._on_step,
                                   on_other=self._on_other, on_output=self._on_output)
+        if self.handle.inst.compiled_parts:  # planned and measured otherwise than its eager twin: its own plans
+            self.structure += "+compiled"
 
     # -- step boundary ------------------------------------------------------------------------------
     def _on_step(self, args: tuple, kwargs: dict) -> None:
@@ -256,7 +259,7 @@ class _State:
             if not self._step_was_training():  # no backward: measure the next step instead
                 self._not_a_step(profiled=False)
                 return
-            if not getattr(meter, "valid", True):  # a compiled step that compiled is measured again next step
+            if not getattr(meter, "valid", True):  # a step during which torch compiled is measured again next step
                 return
             self._note_shapes()
             self._note_untracked(live)
@@ -355,7 +358,9 @@ class _State:
         beside the step (an FSDP2 model compiled whole: such a profile would run FSDP2's collectives and
         gradient reduction; units compiled in place, ``block.compile()``): every unit is recomputed inside the
         graph and the compiled step measured (a miss is a BudgetError naming the measured peak)."""
-        logger.warning("memrt: this model's units run inside a compiled graph where memrt cannot profile them one "
+        log = logger.info if self.warned_unprofiled else logger.warning
+        self.warned_unprofiled = True
+        log("memrt: this model's units run inside a compiled graph where memrt cannot profile them one "
                        "by one (an FSDP2 model compiled whole, or blocks compiled in place with module.compile()); "
                        "every unit is recomputed and the compiled step measured against the budget. Compile each "
                        "block with torch.compile(block) (torchtitan's way) for a plan that keeps what fits")

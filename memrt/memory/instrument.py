@@ -53,8 +53,9 @@ class Instrumentation:
         inside its graph, where memrt's unit calls do not run)."""
         self.compiled_parts = any(is_compiled(m) for m in model.modules())
         """Whether the model holds compiled submodules: its steps are then measured as compiled steps are."""
-        self.units_in_graph = any(getattr(m, "_compiled_call_impl", None) is not None for _, m in units)
-        """Whether units are compiled in place (``module.compile()``): their calls run inside their own graph."""
+        self.units_in_graph = _units_in_graph(model, self.units)
+        """Whether unit calls run inside a graph below the model: units compiled in place (``module.compile()``)
+        or inside a compiled submodule. Read when memrt instruments the model: compile before that."""
         if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
             _pre_outside_graph()
         self._saved: list[tuple[nn.Module, bool, Any]] = []
@@ -96,6 +97,19 @@ class Instrumentation:
             else:
                 module.__dict__.pop("forward", None)
         self._saved.clear()
+
+
+def _units_in_graph(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether a unit is compiled in place or has a compiled ancestor below ``model`` (its calls then run inside
+    that graph). A unit that is itself a ``torch.compile`` wrapper is called outside its graph."""
+    compiled = {name for name, m in model.named_modules() if name and is_compiled(m)}
+    for name, module in units:
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return True
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in compiled for i in range(1, len(parts))):
+            return True
+    return False
 
 
 def is_compiled(module: nn.Module) -> bool:
