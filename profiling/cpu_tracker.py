@@ -9,8 +9,8 @@ and any tensors passed in ``extra``. Views and in-place results share a storage 
 What it cannot see: scratch memory a kernel allocates and frees internally without returning it as a
 tensor, allocator/heap overhead, and of code ``torch.compile`` made (which runs compiled under the tracker,
 an infrastructure mode to dynamo) the buffers inductor allocates without the dispatcher.
-``tests/test_memory_tracker.py`` checks the peak against the process's peak RSS (glibc with ``MALLOC_MMAP_THRESHOLD_=65536``, so large blocks go back to the OS on
-free) and requires agreement within 10%.
+``tests/test_memory_tracker.py`` checks the peak against the process's peak RSS (glibc with
+``MALLOC_MMAP_THRESHOLD_=65536``, so large blocks go back to the OS on free) and requires agreement within 10%.
 
 "Ghosts" serve the memory planner: a storage marked with :meth:`CpuMemoryTracker.ghost` keeps being
 counted in :attr:`CpuMemoryTracker.ghost_peak_bytes` after it dies, until :meth:`clear_ghosts`; this

@@ -259,7 +259,7 @@ class _State:
             if not self._step_was_training():  # no backward: measure the next step instead
                 self._not_a_step(profiled=False)
                 return
-            if not getattr(meter, "valid", True):  # a step during which torch compiled is measured again next step
+            if not getattr(meter, "valid", True):  # torch compiled during the step: measured again next step
                 return
             self._note_shapes()
             self._note_untracked(live)
@@ -360,10 +360,10 @@ class _State:
         graph and the compiled step measured (a miss is a BudgetError naming the measured peak)."""
         log = logger.info if self.warned_unprofiled else logger.warning
         self.warned_unprofiled = True
-        log("memrt: this model's units run inside a compiled graph where memrt cannot profile them one "
-                       "by one (an FSDP2 model compiled whole, or blocks compiled in place with module.compile()); "
-                       "every unit is recomputed and the compiled step measured against the budget. Compile each "
-                       "block with torch.compile(block) (torchtitan's way) for a plan that keeps what fits")
+        log("memrt: this model's units run inside a compiled graph where memrt cannot profile them one by one (an "
+            "FSDP2 model compiled whole, or blocks compiled in place with module.compile()); every unit is "
+            "recomputed and the compiled step measured against the budget. Compile each block with "
+            "torch.compile(block) (torchtitan's way) for a plan that keeps what fits")
         profile = Profile(device=str(self.device), structure=self.structure, signature=sig, unprofiled=True,
                           units=[UnitProfile(index=i, name=name, has_backward=True)
                                  for i, (name, _) in enumerate(self.units)])

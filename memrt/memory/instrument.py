@@ -51,9 +51,10 @@ class Instrumentation:
         self.traced_step = False
         """Whether dynamo traces the model's forward in the step that began last (the units' calls are then
         inside its graph, where memrt's unit calls do not run)."""
-        self.compiled_parts = any(is_compiled(m) for m in model.modules())
+        compiled = {name for name, m in model.named_modules() if is_compiled(m)}
+        self.compiled_parts = bool(compiled)
         """Whether the model holds compiled submodules: its steps are then measured as compiled steps are."""
-        self.units_in_graph = _units_in_graph(model, self.units)
+        self.units_in_graph = _units_in_graph(compiled, self.units)
         """Whether unit calls run inside a graph below the model: units compiled in place (``module.compile()``)
         or inside a compiled submodule. Read when memrt instruments the model: compile before that."""
         if on_step is not None and "torch._dynamo" in sys.modules:  # else made when dynamo is first seen
@@ -99,10 +100,10 @@ class Instrumentation:
         self._saved.clear()
 
 
-def _units_in_graph(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> bool:
-    """Whether a unit is compiled in place or has a compiled ancestor below ``model`` (its calls then run inside
-    that graph). A unit that is itself a ``torch.compile`` wrapper is called outside its graph."""
-    compiled = {name for name, m in model.named_modules() if name and is_compiled(m)}
+def _units_in_graph(compiled: set[str], units: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether a unit is compiled in place or has a compiled ancestor below the model (``compiled``: the names
+    of the model's compiled modules); its calls then run inside that graph. A unit that is itself a
+    ``torch.compile`` wrapper is called outside its graph."""
     for name, module in units:
         if getattr(module, "_compiled_call_impl", None) is not None:
             return True
