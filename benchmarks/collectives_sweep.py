@@ -22,7 +22,10 @@ auto chose (from its comm log), the cost model's two predictions, a ``SLOWER`` f
 ``memrt-check`` arm: flat, hier and auto in one process, in rounds that cycle through every order of the
 three (``memrt.comm.comm_mode``); times = medians of the rounds, auto/best = the median of the rounds'
 ratios auto / best algorithm (paired in time) with its 95% confidence interval, so the three see the same
-machine (separate runs of a few-millisecond call differ by tens of percent on a shared machine). The last
+machine (separate runs of a few-millisecond call differ by tens of percent on a shared machine). A point
+that the first look's rounds leave open (neither check below shows auto within 5%, nor shows it or its pick
+slower) is timed again for twice as many rounds and read over all of them; each of the two looks uses a
+97.5% interval, so a point is shown within with at most 5% error over both (CHECK_LOOKS, CHECK_Z). The last
 line counts the points where that interval shows auto within 5% of the best, shows it slower, or cannot
 tell. auto differs from the best only by noise where it picks the best, so that interval resolves slowly on a
 noisy machine; the decomposed check bounds auto / best by max(1, chosen / other) x (1 + decision / chosen):
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -146,21 +150,28 @@ ORDERS = list(itertools.permutations(CHECK_MODES))
 """The rounds cycle through every order, so each mode follows each other mode equally often."""
 
 
+CHECK_LOOKS = 2
+"""Looks at each point of the auto check: where the first look's rounds neither show auto within AUTO_SLACK of
+the best nor its pick wrong, twice as many rounds again are timed and the check reads all of them."""
+CHECK_Z = statistics.NormalDist().inv_cdf(1 - 0.05 / (2 * CHECK_LOOKS))
+"""Each look's interval is at 1 - 0.05 / CHECK_LOOKS (Bonferroni), so that over both looks a point is shown
+within with at most 5% error, as one look at 95% would."""
+
+
 def _check_rounds(size: int, quick: bool) -> tuple[int, int]:
-    """(rounds, calls per round) of the interleaved auto check at ``size``."""
+    """(rounds, calls per round) of the interleaved auto check's first look at ``size``."""
     if quick:
         return 3, 2
     if size >= 64 * 2**20:
-        return 6, 1
+        return 7, 1  # the smallest count whose full range is a 97.5% interval of the median
     return (12, 1) if size >= 16 * 2**20 else (24, 2) if size >= 2**20 else (84, 20)
 
 
 def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
     """memrt-check: per (op, size), flat, hier and auto in one process, interleaved round by round (the order
     cycles through every order), so that all three see the same machine; per mode the rounds' mean call times
-    (slowest rank) and their median, and the cost model's reason for auto's pick."""
-    import statistics
-
+    (slowest rank) and their median, and the cost model's reason for auto's pick. A point the first look
+    leaves open gets a second (CHECK_LOOKS)."""
     import torch
     import torch.distributed as tdist
 
@@ -192,26 +203,40 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
                         if mode != "auto" or STATE.picks.settled(op, user_bytes):
                             break
                         call()
-            for rnd in range(rounds):
-                for mode in ORDERS[rnd % len(ORDERS)]:
-                    with dist.comm_mode(mode):
-                        seen = len(log)
-                        tdist.barrier()
-                        t0 = time.perf_counter()
-                        for _ in range(calls):
-                            call()
-                        elapsed = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
-                        if mode == "auto":
-                            chosen |= {r.algorithm for r in log[seen:] if r.op == op}
-                    tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
-                    times[mode].append(float(elapsed))
+
+            def run_rounds(first: int, count: int) -> None:
+                for rnd in range(first, first + count):
+                    for mode in ORDERS[rnd % len(ORDERS)]:
+                        with dist.comm_mode(mode):
+                            seen = len(log)
+                            tdist.barrier()
+                            t0 = time.perf_counter()
+                            for _ in range(calls):
+                                call()
+                            elapsed = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
+                            if mode == "auto":
+                                chosen.update(r.algorithm for r in log[seen:] if r.op == op)
+                        tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
+                        times[mode].append(float(elapsed))
+
+            def point_rows(looks: int) -> list[dict[str, Any]]:
+                return [{"op": op, "size": numel * 4, "mode": mode, "time_s": statistics.median(times[mode]),
+                         "rounds": len(times[mode]), "calls": calls, "looks": looks, "times_s": times[mode],
+                         "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode,
+                         "predicted_s": predicted if mode == "auto" else None,
+                         "decision_s": decision if mode == "auto" else None} for mode in CHECK_MODES]
+
+            run_rounds(0, rounds)
             decision = _decision_seconds(op, user_bytes, chosen)
-            for mode in CHECK_MODES:
-                rows.append({"op": op, "size": numel * 4, "mode": mode, "time_s": statistics.median(times[mode]),
-                             "rounds": rounds, "calls": calls, "times_s": times[mode],
-                             "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode,
-                             "predicted_s": predicted if mode == "auto" else None,
-                             "decision_s": decision if mode == "auto" else None})
+            point = point_rows(1)
+            for look in range(2, CHECK_LOOKS + 1):
+                # every rank computes the same figures (the times are all-reduced), so all take the same branch
+                if not is_open(check_point(op, numel * 4, {r["mode"]: r for r in point}, "interleaved")):
+                    break
+                run_rounds(len(times["auto"]), 2 * rounds)
+                decision = _decision_seconds(op, user_bytes, chosen)
+                point = point_rows(look)
+            rows.extend(point)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"impl": "memrt-check", "world": n, "rows": rows}), flush=True)
     dist.destroy_process_group()
@@ -410,23 +435,34 @@ def auto_check(res: dict[str, Any], op: str) -> list[dict[str, Any]]:
     out = []
     for size in sorted(by):
         modes = by[size]
-        if not all(m in modes for m in ("flat", "hier", "auto")):
-            continue
-        flat, hier, auto = modes["flat"]["time_s"], modes["hier"]["time_s"], modes["auto"]
-        best_mode = "flat" if flat <= hier else "hier"
-        best = min(flat, hier)
-        chose = auto.get("algorithm")
-        chose_s = {"flat": flat, "hier": hier}.get(chose or "")
-        ratio, low, high = _paired_ratio(auto, modes[best_mode])
-        row = {"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
-               "best": best_mode, "auto_chose": chose, "source": source,
-               "predicted_s": auto.get("predicted_s"), "auto_over_best": ratio,
-               "auto_over_best_ci95": [low, high], "slower": ratio > AUTO_SLACK,
-               "shown_within": high <= AUTO_SLACK, "shown_slower": low > AUTO_SLACK,
-               "wrong": chose_s is not None and chose_s > AUTO_SLACK * best}
-        row.update(_decomposed(modes, chose, auto.get("decision_s")))
-        out.append(row)
+        if all(m in modes for m in ("flat", "hier", "auto")):
+            out.append(check_point(op, size, modes, source))
     return out
+
+
+def is_open(check: dict[str, Any]) -> bool:
+    """True when a point's rounds show neither auto within AUTO_SLACK of the best (directly or by the decomposed
+    bound) nor auto or its pick slower than that: another look may settle it."""
+    return not (check["bound_within"] or check["shown_within"] or check["pick_wrong"] or check["shown_slower"])
+
+
+def check_point(op: str, size: int, modes: dict[str, dict[str, Any]], source: str) -> dict[str, Any]:
+    """auto vs the better of flat and hier at one (op, size): ``modes`` maps flat, hier and auto to their rows."""
+    flat, hier, auto = modes["flat"]["time_s"], modes["hier"]["time_s"], modes["auto"]
+    best_mode = "flat" if flat <= hier else "hier"
+    best = min(flat, hier)
+    chose = auto.get("algorithm")
+    chose_s = {"flat": flat, "hier": hier}.get(chose or "")
+    ratio, low, high = _paired_ratio(auto, modes[best_mode])
+    row = {"op": op, "size": size, "auto_s": auto["time_s"], "flat_s": flat, "hier_s": hier,
+           "best": best_mode, "auto_chose": chose, "source": source,
+           "predicted_s": auto.get("predicted_s"), "auto_over_best": ratio,
+           "auto_over_best_ci95": [low, high], "slower": ratio > AUTO_SLACK,
+           "shown_within": high <= AUTO_SLACK, "shown_slower": low > AUTO_SLACK,
+           "wrong": chose_s is not None and chose_s > AUTO_SLACK * best,
+           "rounds": auto.get("rounds"), "looks": auto.get("looks", 1)}
+    row.update(_decomposed(modes, chose, auto.get("decision_s")))
+    return row
 
 
 def _decomposed(modes: dict[str, dict[str, Any]], chose: str | None, decision_s: float | None) -> dict[str, Any]:
@@ -435,7 +471,8 @@ def _decomposed(modes: dict[str, dict[str, Any]], chose: str | None, decision_s:
     ratio of the two algorithms timed in the same rounds (both run every round, so the rounds resolve it far
     sooner than auto vs best, which differ by noise alone when auto picks the best); the second is measured
     without a collective (an upper estimate). ``bound_ci95_high`` is the product at the upper end of the ratio's
-    95% interval (per point; with fewer than 6 rounds the interval is the rounds' range, of lower coverage).
+    interval (95% per point over the looks, CHECK_Z; with few rounds the interval is the rounds' full range,
+    which holds the median with probability 1 - 2^(1-n), at least 97.5% from 7 rounds on).
     The premise is checked: where the interval of auto / chosen (timed in the same rounds) lies above what the
     decision cost explains, the point is not counted as shown."""
     if chose not in ("flat", "hier") or decision_s is None:
@@ -454,18 +491,17 @@ def _decomposed(modes: dict[str, dict[str, Any]], chose: str | None, decision_s:
 
 
 def _paired_ratio(auto: dict[str, Any], best: dict[str, Any]) -> tuple[float, float, float]:
-    """auto's time over the best algorithm's, with a 95% confidence interval: the median of the per-round
-    ratios when both were timed in the same interleaved rounds (a slow moment of the machine hits both halves
-    of a pair) and the distribution-free interval of a median (order statistics k and n+1-k, k = n/2 - 1.96
-    sqrt(n)/2); else the ratio of the two times (interval: that ratio)."""
+    """auto's time over the best algorithm's, with a confidence interval (95% over the check's looks, CHECK_Z):
+    the median of the per-round ratios when both were timed in the same interleaved rounds (a slow moment of
+    the machine hits both halves of a pair) and the distribution-free interval of a median (order statistics k
+    and n+1-k, k = n/2 - z sqrt(n)/2); else the ratio of the two times (interval: that ratio)."""
     import math
-    import statistics
 
     a, b = auto.get("times_s"), best.get("times_s")
     if a and b and len(a) == len(b):
         ratios = sorted(x / y for x, y in zip(a, b))
         n = len(ratios)
-        k = max(1, math.floor(n / 2 - 1.96 * math.sqrt(n) / 2))
+        k = max(1, math.floor(n / 2 - CHECK_Z * math.sqrt(n) / 2))
         return statistics.median(ratios), ratios[k - 1], ratios[n - k]
     r = auto["time_s"] / best["time_s"]
     return r, r, r
@@ -488,7 +524,7 @@ def _auto_rows(checks: list[dict[str, Any]]) -> list[list[str]]:
              "-" if c.get("pick_ci95") is None
              else "{:.3f} ({:.3f}-{:.3f})".format(c["pick_over_other"], *c["pick_ci95"]),
              "-" if c.get("decision_s") is None else f"{c['decision_s'] * 1e6:.1f}",
-             _bound_text(c),
+             _bound_text(c), f"{c.get('rounds') or '-'} ({c.get('looks', 1)})",
              ", ".join(w for w, on in ((f"SLOWER (> {AUTO_SLACK:.2f}x best)", c["slower"]),
                                        ("WRONG CHOICE", c.get("wrong"))) if on) or "ok"] for c in checks]
 
@@ -533,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             if checks:
                 print_table(["size (B)", "auto (us)", "auto chose", "flat (us)", "hier (us)", "best",
                              "predicted flat / hier (us)", "auto/best", "95% CI", "chosen/other (95% CI)",
-                             "decision +us", "bound (95%)", "check"], _auto_rows(checks),
+                             "decision +us", "bound (95%)", "rounds (looks)", "check"], _auto_rows(checks),
                             title=f"{op} | {net} | memrt-auto vs the better of flat and hier ({checks[0]['source']})")
         slow = [c for c in res["auto_check"] if c["slower"]]
         wrong = [c for c in res["auto_check"] if c["wrong"]]
@@ -562,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                   + (": " + ", ".join(f"{c['op']} {c['size']} B" for c in picked_wrong) if picked_wrong else "")
                   + (f"; not shown at {len(open_)}: " + ", ".join(f"{c['op']} {c['size']} B ({_bound_text(c)})"
                                                                   for c in open_) if open_ else "")
-                  + (f"; decision cost {min(costs) * 1e6:.1f}-{max(costs) * 1e6:.1f} us per call" if costs else ""),
+                  + (f"; decision cost {min(costs) * 1e6:.1f}-{max(costs) * 1e6:.1f} us per call" if costs else "")
+                  + f"; a second look at {sum(c.get('looks', 1) > 1 for c in res['auto_check'])}",
                   flush=True)
     write_json(args.out, "collectives_sweep", {"machine": info, "quick": args.quick, "nets": out,
                                                "failed": failures()})

@@ -56,3 +56,26 @@ def test_premise_checked_auto_slower_than_its_chosen_algorithm_is_not_shown():
     flat, hier = _noisy(3e-3, 42, 0.02, 1), _noisy(6e-3, 42, 0.02, 2)
     (c,) = auto_check(_res(flat, hier, _noisy(3.6e-3, 42, 0.02, 3), "flat", 2e-6), "all_gather")
     assert c["premise_holds"] is False and not c["bound_within"], c
+
+
+def test_an_open_point_gets_a_second_look_and_more_rounds_settle_it():
+    from benchmarks.collectives_sweep import CHECK_LOOKS, CHECK_Z, check_point, is_open
+
+    assert CHECK_LOOKS == 2 and 2.2 < CHECK_Z < 2.3  # each look at 97.5%: 95% per point over both
+    rng = random.Random(5)
+    flat = [3e-3 * (1 + rng.uniform(-0.2, 0.2)) for _ in range(12)]
+    hier = [f * 1.02 * (1 + rng.uniform(-0.1, 0.1)) for f in flat]  # hier 2% slower, rounds +-10% apart
+    auto = [f * (1 + rng.uniform(-0.1, 0.1)) for f in flat]
+
+    def modes(n: int, looks: int) -> dict:
+        row = lambda m, t: {"mode": m, "time_s": sorted(t[:n])[n // 2], "times_s": t[:n], "rounds": n, "looks": looks,
+                            "algorithm": "flat" if m == "auto" else m, "decision_s": 2e-6 if m == "auto" else None}
+        return {"flat": row("flat", flat), "hier": row("hier", hier), "auto": row("auto", auto)}
+
+    first = check_point("all_gather", 4096, modes(12, 1), "interleaved")
+    assert is_open(first) and first["looks"] == 1, first  # 12 rounds cannot tell flat from hier within 5%
+    flat += [3e-3 * (1 + rng.uniform(-0.2, 0.2)) for _ in range(24)]
+    hier += [f * 1.02 * (1 + rng.uniform(-0.02, 0.02)) for f in flat[12:]]
+    auto += [f * (1 + rng.uniform(-0.02, 0.02)) for f in flat[12:]]
+    second = check_point("all_gather", 4096, modes(36, 2), "interleaved")
+    assert not is_open(second) and second["bound_within"] and second["rounds"] == 36 and second["looks"] == 2, second
