@@ -46,11 +46,43 @@ accelerator slows its compute, not its network), or the whole process (communica
 too, like a CPU-only helper rank)."""
 
 
+JOB_SHAPE = {"samples": 65536, "features": 64, "width": 512, "depth": 4, "classes": 10, "lr": 0.01}
+"""The job's data and model (its defaults: 64 features, 10 classes; SGD with momentum 0.9, mean loss)."""
+
+
 def _job_args(quick: bool, out: Path, standalone: bool = False, batch: int = BATCH) -> list[str]:
     steps, warmup, seconds = (40, 25, 4) if quick else (100, 30, 10)
     timed = ["--timed-seconds", str(seconds)] if standalone else []
-    return ["--batch", str(batch if not quick else 64), "--samples", "65536", "--steps", str(steps),
-            "--warmup", str(warmup), "--width", "512", "--depth", "4", "--lr", "0.01", *timed, "--out", str(out)]
+    return ["--batch", str(batch if not quick else 64), "--samples", str(JOB_SHAPE["samples"]), "--steps", str(steps),
+            "--warmup", str(warmup), "--width", str(JOB_SHAPE["width"]), "--depth", str(JOB_SHAPE["depth"]),
+            "--lr", str(JOB_SHAPE["lr"]), *timed, "--out", str(out)]
+
+
+def split_reference(steps_by_rank: list[list[list[int]]], shape: dict[str, Any] = JOB_SHAPE, *,
+                    weighted: bool = True) -> list[Any]:
+    """Final parameters of the job trained in one process on the same global batches, each step's gradient
+    summed from the ranks' parts as data parallelism sums it (each part's mean loss weighted by its share of
+    the batch): the exact arithmetic of a split, without communication. Two splits of the same batches give
+    the same mean gradient up to rounding; the training run shows how far that rounding carries.
+    ``weighted=False``: every part weighted 1/ranks (DDP's average, right only for equal parts)."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.balance_job import Points, make_model
+
+    torch.set_num_threads(1)
+    data = Points(shape["samples"], shape["features"], shape["classes"])
+    model = make_model(shape["features"], shape["width"], shape["depth"], shape["classes"])
+    opt = torch.optim.SGD(model.parameters(), lr=shape["lr"], momentum=0.9)
+    for parts in zip(*steps_by_rank):
+        total = sum(len(p) for p in parts)
+        opt.zero_grad(set_to_none=True)
+        for part in parts:
+            idx = torch.tensor(part, dtype=torch.long)
+            weight = len(part) / total if weighted else 1 / len(parts)
+            (F.cross_entropy(model(data.x[idx]), data.y[idx]) * weight).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
 
 
 def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool,
@@ -206,6 +238,9 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
     bound = sum(speeds.values())
     sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)
     p_stock, p_memrt = torch.load(f"{tmp}/stock.params.pt"), torch.load(f"{tmp}/memrt.params.pt")
+    # the same batches in one process, split as stock split them and as MEMRT=1 did: how far rounding alone
+    # carries two exact computations of the same mean gradients apart over the run
+    ref_stock, ref_memrt = split_reference([r["steps"] for r in stock]), split_reference([r["steps"] for r in memrt])
     reports = sorted(report.glob("rank*.json"))
     balance = json.loads(reports[0].read_text())["meta"]["activation"]["balance"] if reports else None
     loss_s, loss_m = stock[0]["final_loss"], memrt[0]["final_loss"]
@@ -218,24 +253,36 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
         "stock_over_bound": sps_stock / bound,
         "final_loss_stock": loss_s, "final_loss_memrt": loss_m, "loss_rel_diff": abs(loss_m - loss_s) / abs(loss_s),
         "params_allclose_rtol_1e-4": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p_memrt, p_stock)),
-        "max_param_diff": max(float((a - b).abs().max()) for a, b in zip(p_memrt, p_stock)),
+        "max_param_diff": _max_diff(p_memrt, p_stock),
+        "max_param_diff_split_references": _max_diff(ref_memrt, ref_stock),
+        "max_param_diff_stock_vs_its_reference": _max_diff(p_stock, ref_stock),
+        "max_param_diff_memrt_vs_its_reference": _max_diff(p_memrt, ref_memrt),
         "shares": balance["shares"] if balance else None,
         "decisions": [(d["step"], d["shares"], d["changed"]) for d in balance["decisions"]] if balance else None,
         "global_batch": (64 if quick else batch) * world, "cap_threads": cap,
     }
 
 
+def _max_diff(a: list[Any], b: list[Any]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
 def print_job_table(rows: list[dict[str, Any]]) -> None:
     print_table(["scenario", "ranks (nodes)", "caps (slowed)", "B", "standalone samples/s", "bound", "stock", "MEMRT=1",
-                 "MEMRT=1/stock", "MEMRT=1/bound", "loss diff", "params allclose", "shares"],
+                 "MEMRT=1/stock", "MEMRT=1/bound", "loss diff", "params allclose",
+                 "max param diff: MEMRT=1-stock / split refs", "shares"],
                 [[r["scenario"], f"{r['world']} ({'+'.join(str(len(n)) for n in r['nodes'])}"
                   f"{', emulated' if r['emulated_cluster'] else ''})",
                   "/".join(f"{c:g}" for c in r["caps"]) + f" ({r['cap_threads']})",
                   r["global_batch"], " + ".join(f"{s:.0f}" for s in r["standalone_samples_per_s"]),
                   f"{r['bound_samples_per_s']:.0f}", f"{r['stock_samples_per_s']:.0f}", f"{r['memrt_samples_per_s']:.0f}",
                   fmt_ratio(r["memrt_over_stock"]), f"{100 * r['memrt_over_bound']:.0f}%",
-                  f"{100 * r['loss_rel_diff']:.2f}%", r["params_allclose_rtol_1e-4"], r["shares"]] for r in rows],
+                  f"{100 * r['loss_rel_diff']:.2f}%", r["params_allclose_rtol_1e-4"],
+                  f"{r['max_param_diff']:.1e} / {r['max_param_diff_split_references']:.1e}", r["shares"]] for r in rows],
                 title="unchanged DDP job: MEMRT=1 vs stock DDP vs the bound (sum of standalone speeds), one run")
+    print("split refs: the same global batches trained in one process, each step's gradient summed from the ranks' "
+          "parts (mean losses weighted by their shares) as stock split them and as MEMRT=1 did; their difference is "
+          "what rounding alone carries over the run, with no communication in it", flush=True)
     for r in rows:
         if r["cap_unavailable"]:
             print(f"note: {r['scenario']}: no CPU cap ({r['cap_unavailable']}); {r['slowdown']}", flush=True)

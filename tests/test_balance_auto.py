@@ -120,6 +120,19 @@ def test_parameters_and_loss_match_stock(runs, memrt, stock):
     assert abs(lm - ls) <= 0.01 * abs(ls)
 
 
+def test_parameters_are_the_weighted_mean_of_the_ranks_parts(runs):
+    """The same batches trained in one process, each step's gradient summed from the ranks' parts as the
+    balanced run split them (mean losses weighted by their shares): MEMRT=1's DDP job lands on it; summing
+    the parts' means unweighted (DDP's average under uneven parts) does not."""
+    from benchmarks._balance_jobs import split_reference
+
+    shape = {"samples": 602, "features": 64, "width": 256, "depth": 3, "classes": 10, "lr": 0.05}
+    steps = [r["steps"] for r in runs["memrt"]["ranks"]]
+    assert _allclose(runs["memrt"]["params"], split_reference(steps, shape), rtol=1e-5, atol=1e-7)
+    unweighted = split_reference(steps, shape, weighted=False)
+    assert not _allclose(runs["memrt"]["params"], unweighted, rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["equal", "off"])
 def test_equal_ranks_and_off_keep_the_stock_split_bitwise(runs, name):
     import torch
