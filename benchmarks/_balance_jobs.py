@@ -61,64 +61,45 @@ def _job_args(quick: bool, out: Path, standalone: bool = False, batch: int = BAT
 def split_reference(steps_by_rank: list[list[list[int]]], shape: dict[str, Any] = JOB_SHAPE, *,
                     weighted: bool = True) -> list[Any]:
     """Final parameters of the job trained in one process on the same global batches, each step's gradient
-    summed from the ranks' parts as data parallelism sums it (each part's mean loss weighted by its share of
-    the batch): the exact arithmetic of a split, without communication. Two splits of the same batches give
-    the same mean gradient up to rounding; the training run shows how far that rounding carries.
-    ``weighted=False``: every part weighted 1/ranks (DDP's average, right only for equal parts)."""
+    formed from the ranks' parts with the arithmetic of the balanced DDP hook: each part's gradient of its
+    mean loss times ``n_r * W / B`` (skipped where that is 1, as under the stock split), divided by the ranks
+    ``W``, summed in rank order (for two ranks the order of a sum does not matter; for more, the backend's
+    ring may add in another order). Two splits of the same batches give the same mean gradient up to
+    rounding; the training run shows how far that rounding carries. ``weighted=False``: every part weighted
+    1/W (DDP's average, right only for equal parts)."""
     import torch
     import torch.nn.functional as F
 
     from benchmarks.balance_job import Points, make_model
 
+    if len({len(steps) for steps in steps_by_rank}) != 1:
+        raise ValueError(f"the ranks ran different step counts: {[len(s) for s in steps_by_rank]}")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    data = Points(shape["samples"], shape["features"], shape["classes"])
-    model = make_model(shape["features"], shape["width"], shape["depth"], shape["classes"])
-    opt = torch.optim.SGD(model.parameters(), lr=shape["lr"], momentum=0.9)
-    for parts in zip(*steps_by_rank):
-        total = sum(len(p) for p in parts)
-        opt.zero_grad(set_to_none=True)
-        for part in parts:
-            idx = torch.tensor(part, dtype=torch.long)
-            weight = len(part) / total if weighted else 1 / len(parts)
-            (F.cross_entropy(model(data.x[idx]), data.y[idx]) * weight).backward()
-        opt.step()
-    return [p.detach() for p in model.parameters()]
-
-
-def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool,
-             threads: str = "compute") -> tuple[dict[str, str], str]:
-    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU (``threads``: CAP_MODES)."""
-    if capped:
-        suffix = ":compute" if threads == "compute" else ""
-        items = [f"{i}={'max' if caps[r] >= 1.0 else caps[r]}@{priority}{suffix}" for i, r in enumerate(ranks)]
-        what = "compute thread" if suffix else "whole process"
-        return {"MEMRT_CPU_CAP": ",".join(items)}, f"cgroup CPU caps {'/'.join(f'{caps[r]:g}' for r in ranks)} ({what})"
-    # no root: a sleep per sample that makes a rank about 1/c times slower than an uncapped one (~0.25 ms/sample)
-    items = [f"{i}={0.00025 * (1 / caps[r] - 1):.6f}" for i, r in enumerate(ranks) if caps[r] < 1.0]
-    return {"BALANCE_JOB_DELAY": ",".join(items)}, "sleep per sample (no root)"
-
-
-def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None,
-            standalone: bool = False, batch: int = BATCH) -> list[dict]:
-    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out, standalone, batch)]
-    node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
-
-    def placement(rank: int) -> dict[str, str]:  # the namespace of the rank's node, entered by the shim
-        if cluster is None:
-            return {}
-        i = node_of[rank]
-        return {"BALANCE_NETNS": cluster.nodes[i], "GLOO_SOCKET_IFNAME": cluster.ifaces[i],
-                "MASTER_ADDR": cluster.addrs[0]}
-
-    outputs = launch_on_nodes(argv, nodes=nodes, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900,
-                           rank_env=placement)
-    bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
-    if bad:
-        raise RuntimeError(f"rank {bad[0][0]} exited {bad[0][1]}: {bad[0][2][-2000:]}")
-    world = sum(len(n) for n in nodes)
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
-    ranks[0]["stderr"] = "".join(err for _, _, err in outputs)
-    return ranks
+    try:
+        data = Points(shape["samples"], shape["features"], shape["classes"])
+        model = make_model(shape["features"], shape["width"], shape["depth"], shape["classes"])
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=shape["lr"], momentum=0.9)
+        world = len(steps_by_rank)
+        for parts in zip(*steps_by_rank):
+            total = sum(len(p) for p in parts)
+            summed: list[Any] | None = None
+            for part in parts:
+                if not part:
+                    continue
+                idx = torch.tensor(part, dtype=torch.long)
+                model.zero_grad(set_to_none=True)
+                F.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
+                factor = len(part) * world / total if weighted else 1.0
+                grads = [(p.grad if factor == 1.0 else p.grad.mul(factor)).div(world) for p in params]
+                summed = grads if summed is None else [a + g for a, g in zip(summed, grads)]
+            for p, g in zip(params, summed or []):
+                p.grad = g
+            opt.step()
+        return [p.detach() for p in params]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _fair_cpus(caps: list[float], cores: int) -> list[float]:
@@ -239,7 +220,7 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
     sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)
     p_stock, p_memrt = torch.load(f"{tmp}/stock.params.pt"), torch.load(f"{tmp}/memrt.params.pt")
     # the same batches in one process, split as stock split them and as MEMRT=1 did: how far rounding alone
-    # carries two exact computations of the same mean gradients apart over the run
+    # carries two computations of the same mean gradients apart over the run
     ref_stock, ref_memrt = split_reference([r["steps"] for r in stock]), split_reference([r["steps"] for r in memrt])
     reports = sorted(report.glob("rank*.json"))
     balance = json.loads(reports[0].read_text())["meta"]["activation"]["balance"] if reports else None
@@ -280,9 +261,9 @@ def print_job_table(rows: list[dict[str, Any]]) -> None:
                   f"{100 * r['loss_rel_diff']:.2f}%", r["params_allclose_rtol_1e-4"],
                   f"{r['max_param_diff']:.1e} / {r['max_param_diff_split_references']:.1e}", r["shares"]] for r in rows],
                 title="unchanged DDP job: MEMRT=1 vs stock DDP vs the bound (sum of standalone speeds), one run")
-    print("split refs: the same global batches trained in one process, each step's gradient summed from the ranks' "
-          "parts (mean losses weighted by their shares) as stock split them and as MEMRT=1 did; their difference is "
-          "what rounding alone carries over the run, with no communication in it", flush=True)
+    print("split refs: the same global batches trained in one process, each step's gradient formed from the ranks' "
+          "parts (each part's mean-loss gradient weighted by its share) as stock split them and as MEMRT=1 did; their "
+          "difference is what rounding alone carries over the run, with no communication in it", flush=True)
     for r in rows:
         if r["cap_unavailable"]:
             print(f"note: {r['scenario']}: no CPU cap ({r['cap_unavailable']}); {r['slowdown']}", flush=True)

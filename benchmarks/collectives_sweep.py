@@ -48,7 +48,8 @@ from typing import Any
 from benchmarks._common import (base_parser, exit_code, fail_line, failures, fmt_ratio, launch_on_nodes, machine_info,
                                 machine_line, print_table, result_lines, save_plot, skip_line, write_json)
 
-__all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR", "AUTO_SLACK", "auto_check"]
+__all__ = ["main", "BUS_FACTOR", "CROSS_BYTES_FACTOR", "AUTO_SLACK", "CHECK_LOOKS", "CHECK_Z", "auto_check",
+           "check_point", "is_open"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 IMPLS = ("gloo", "mpi", "memrt-flat", "memrt-hier", "memrt-auto", "memrt-check")
@@ -147,12 +148,14 @@ def _torch_worker(impl: str, ops: list[str], sizes: list[int], quick: bool) -> N
 
 CHECK_MODES = ("flat", "hier", "auto")
 ORDERS = list(itertools.permutations(CHECK_MODES))
-"""The rounds cycle through every order, so each mode follows each other mode equally often."""
+"""The rounds cycle through every order, so each mode follows each other mode equally often over every 6 rounds
+(7 rounds, at 64 MiB and above, repeat one order)."""
 
 
 CHECK_LOOKS = 2
-"""Looks at each point of the auto check: where the first look's rounds neither show auto within AUTO_SLACK of
-the best nor its pick wrong, twice as many rounds again are timed and the check reads all of them."""
+"""Looks at each point of the auto check: where the first look's rounds show neither auto within AUTO_SLACK of
+the best nor auto or its pick slower than that (:func:`is_open`), twice as many rounds again are timed and the
+check reads all of them."""
 CHECK_Z = statistics.NormalDist().inv_cdf(1 - 0.05 / (2 * CHECK_LOOKS))
 """Each look's interval is at 1 - 0.05 / CHECK_LOOKS (Bonferroni), so that over both looks a point is shown
 within with at most 5% error, as one look at 95% would."""
@@ -204,42 +207,54 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
                             break
                         call()
 
-            def run_rounds(first: int, count: int) -> None:
-                for rnd in range(first, first + count):
-                    for mode in ORDERS[rnd % len(ORDERS)]:
-                        with dist.comm_mode(mode):
-                            seen = len(log)
-                            tdist.barrier()
-                            t0 = time.perf_counter()
-                            for _ in range(calls):
-                                call()
-                            elapsed = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
-                            if mode == "auto":
-                                chosen.update(r.algorithm for r in log[seen:] if r.op == op)
-                        tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
-                        times[mode].append(float(elapsed))
-
-            def point_rows(looks: int) -> list[dict[str, Any]]:
-                return [{"op": op, "size": numel * 4, "mode": mode, "time_s": statistics.median(times[mode]),
-                         "rounds": len(times[mode]), "calls": calls, "looks": looks, "times_s": times[mode],
-                         "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode,
-                         "predicted_s": predicted if mode == "auto" else None,
-                         "decision_s": decision if mode == "auto" else None} for mode in CHECK_MODES]
-
-            run_rounds(0, rounds)
+            _check_rounds_run(dist, log, op, call, calls, times, chosen, 0, rounds)
             decision = _decision_seconds(op, user_bytes, chosen)
-            point = point_rows(1)
+            point = _check_rows(op, numel * 4, calls, 1, times, chosen, predicted, decision)
             for look in range(2, CHECK_LOOKS + 1):
-                # every rank computes the same figures (the times are all-reduced), so all take the same branch
+                # every rank reads the same figures (times and decision cost all-reduced, and the algorithm
+                # auto ran is chosen from values equal on every rank), so all take the same branch
                 if not is_open(check_point(op, numel * 4, {r["mode"]: r for r in point}, "interleaved")):
                     break
-                run_rounds(len(times["auto"]), 2 * rounds)
-                decision = _decision_seconds(op, user_bytes, chosen)
-                point = point_rows(look)
+                _check_rounds_run(dist, log, op, call, calls, times, chosen, len(times["auto"]), 2 * rounds)
+                again = _decision_seconds(op, user_bytes, chosen)  # an upper estimate: keep the larger
+                decision = None if decision is None or again is None else max(decision, again)
+                point = _check_rows(op, numel * 4, calls, look, times, chosen, predicted, decision)
             rows.extend(point)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"impl": "memrt-check", "world": n, "rows": rows}), flush=True)
     dist.destroy_process_group()
+
+
+def _check_rounds_run(dist: Any, log: list, op: str, call: Any, calls: int, times: dict[str, list[float]],
+                      chosen: set[str], first: int, count: int) -> None:
+    """Rounds ``first`` .. ``first + count - 1`` of the interleaved check: each mode in the round's order, the
+    mean call time of the slowest rank appended to ``times[mode]``; the algorithms auto ran go into ``chosen``."""
+    import torch
+    import torch.distributed as tdist
+
+    for rnd in range(first, first + count):
+        for mode in ORDERS[rnd % len(ORDERS)]:
+            with dist.comm_mode(mode):
+                seen = len(log)
+                tdist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                elapsed = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
+                if mode == "auto":
+                    chosen.update(r.algorithm for r in log[seen:] if r.op == op)
+            tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
+            times[mode].append(float(elapsed))
+
+
+def _check_rows(op: str, size: int, calls: int, looks: int, times: dict[str, list[float]], chosen: set[str],
+                predicted: Any, decision: float | None) -> list[dict[str, Any]]:
+    """One row per mode of a checked point, with a copy of its rounds' times."""
+    return [{"op": op, "size": size, "mode": mode, "time_s": statistics.median(times[mode]),
+             "rounds": len(times[mode]), "calls": calls, "looks": looks, "times_s": list(times[mode]),
+             "algorithm": "/".join(sorted(chosen)) if mode == "auto" and chosen else mode,
+             "predicted_s": predicted if mode == "auto" else None,
+             "decision_s": decision if mode == "auto" else None} for mode in CHECK_MODES]
 
 
 def _decision_seconds(op: str, user_bytes: int, chosen: set[str]) -> float | None:
@@ -326,7 +341,9 @@ def _run_impl(impl: str, net: str, cluster: Any, ops: list[str], sizes: list[int
             env["MEMRT_COMM"] = impl.split("-", 1)[1]
     try:
         if impl != "mpi":
-            outs = launch_on_nodes(base, nodes=NODES, cluster=cluster, env=env, timeout_s=1800)
+            # the check arm's second looks at 64-256 MiB take minutes each on a slow link
+            outs = launch_on_nodes(base, nodes=NODES, cluster=cluster, env=env,
+                                   timeout_s=3600 if impl == "memrt-check" else 1800)
         return result_lines(outs)[0]
     except Exception as exc:  # noqa: BLE001 - a failing implementation fails the benchmark
         fail_line(f"{impl}@{net}", f"{type(exc).__name__}: {exc}")
@@ -581,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; chose an algorithm more than {AUTO_SLACK:.2f}x the better one at {len(wrong)}"
                   + (": " + ", ".join(f"{c['op']} {c['size']} B ({c['auto_chose']})" for c in wrong)
                      if wrong else ""), flush=True)
+            if args.quick:
+                print(f"# {net}: --quick times 3 rounds per look: the intervals below are the rounds' range, which "
+                      "holds the median with far less than 95% confidence", flush=True)
             within = [c for c in res["auto_check"] if c["shown_within"]]
             above = [c for c in res["auto_check"] if c["shown_slower"]]
             print(f"# {net}: with 95% confidence, auto within {AUTO_SLACK:.2f}x the better algorithm at {len(within)} "

@@ -121,14 +121,21 @@ def test_parameters_and_loss_match_stock(runs, memrt, stock):
 
 
 def test_parameters_are_the_weighted_mean_of_the_ranks_parts(runs):
-    """The same batches trained in one process, each step's gradient summed from the ranks' parts as the
-    balanced run split them (mean losses weighted by their shares): MEMRT=1's DDP job lands on it; summing
-    the parts' means unweighted (DDP's average under uneven parts) does not."""
+    """The same batches trained in one process, each step's gradient formed from the ranks' parts as the run
+    split them (each part's mean-loss gradient weighted by its share, as the balanced hook does): stock's job
+    and MEMRT=1's land on theirs; the parts' gradients averaged unweighted (DDP's average under uneven parts)
+    do not."""
+    import torch
+
     from benchmarks._balance_jobs import split_reference
 
-    shape = {"samples": 602, "features": 64, "width": 256, "depth": 3, "classes": 10, "lr": 0.05}
+    args = dict(zip(BASE[::2], BASE[1::2]))
+    shape = {"samples": int(args["--samples"]), "width": int(args["--width"]),
+             "features": 64, "depth": 3, "classes": 10, "lr": 0.05}  # the job's defaults
+    stock = [r["steps"] for r in runs["stock"]["ranks"]]
+    assert all(torch.equal(a, b) for a, b in zip(runs["stock"]["params"], split_reference(stock, shape)))
     steps = [r["steps"] for r in runs["memrt"]["ranks"]]
-    assert _allclose(runs["memrt"]["params"], split_reference(steps, shape), rtol=1e-5, atol=1e-7)
+    assert _allclose(runs["memrt"]["params"], split_reference(steps, shape), rtol=1e-6, atol=1e-8)
     unweighted = split_reference(steps, shape, weighted=False)
     assert not _allclose(runs["memrt"]["params"], unweighted, rtol=1e-3, atol=1e-5)
 
