@@ -102,6 +102,42 @@ def split_reference(steps_by_rank: list[list[list[int]]], shape: dict[str, Any] 
         torch.set_num_threads(threads)
 
 
+def _cap_env(caps: list[float], ranks: list[int], priority: float, capped: bool,
+             threads: str = "compute") -> tuple[dict[str, str], str]:
+    """(environment, description) making rank ranks[i] run at caps[ranks[i]] CPU (``threads``: CAP_MODES)."""
+    if capped:
+        suffix = ":compute" if threads == "compute" else ""
+        items = [f"{i}={'max' if caps[r] >= 1.0 else caps[r]}@{priority}{suffix}" for i, r in enumerate(ranks)]
+        what = "compute thread" if suffix else "whole process"
+        return {"MEMRT_CPU_CAP": ",".join(items)}, f"cgroup CPU caps {'/'.join(f'{caps[r]:g}' for r in ranks)} ({what})"
+    # no root: a sleep per sample that makes a rank about 1/c times slower than an uncapped one (~0.25 ms/sample)
+    items = [f"{i}={0.00025 * (1 / caps[r] - 1):.6f}" for i, r in enumerate(ranks) if caps[r] < 1.0]
+    return {"BALANCE_JOB_DELAY": ",".join(items)}, "sleep per sample (no root)"
+
+
+def _launch(nodes: list[list[int]], env: dict[str, str], out: Path, quick: bool, cluster: Any = None,
+            standalone: bool = False, batch: int = BATCH) -> list[dict]:
+    argv = ["python", "-c", _SHIM, str(JOB), *_job_args(quick, out, standalone, batch)]
+    node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+
+    def placement(rank: int) -> dict[str, str]:  # the namespace of the rank's node, entered by the shim
+        if cluster is None:
+            return {}
+        i = node_of[rank]
+        return {"BALANCE_NETNS": cluster.nodes[i], "GLOO_SOCKET_IFNAME": cluster.ifaces[i],
+                "MASTER_ADDR": cluster.addrs[0]}
+
+    outputs = launch_on_nodes(argv, nodes=nodes, env={"OMP_NUM_THREADS": "1", **env}, timeout_s=900,
+                           rank_env=placement)
+    bad = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
+    if bad:
+        raise RuntimeError(f"rank {bad[0][0]} exited {bad[0][1]}: {bad[0][2][-2000:]}")
+    world = sum(len(n) for n in nodes)
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
+    ranks[0]["stderr"] = "".join(err for _, _, err in outputs)
+    return ranks
+
+
 def _fair_cpus(caps: list[float], cores: int) -> list[float]:
     """CPUs each single-threaded rank gets when all run at once on ``cores`` with equal weights: the cores
     shared evenly, no rank above its cap (water-filling)."""
