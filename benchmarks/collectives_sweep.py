@@ -179,7 +179,6 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
     import torch.distributed as tdist
 
     import memrt.comm as dist
-    from memrt.comm.measured_pick import TRIALS
     from memrt.comm.select import choose
     from memrt.comm.setup import STATE
     from memrt.profiling.recorder import get_recorder
@@ -199,13 +198,9 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
                                backend=str(tdist.get_backend())).candidates
             times: dict[str, list[float]] = {m: [] for m in CHECK_MODES}
             chosen: set[str] = set()
-            for mode in CHECK_MODES:  # warm-up of each path; auto's includes its trials where it times them
+            for mode in CHECK_MODES:  # warm-up of each path; auto's first call runs its trials where it times
                 with dist.comm_mode(mode):
                     call()
-                    for _ in range(2 * (TRIALS + 1)):
-                        if mode != "auto" or STATE.picks.settled(op, user_bytes):
-                            break
-                        call()
 
             _check_rounds_run(dist, log, op, call, calls, times, chosen, 0, rounds)
             decision = _decision_seconds(op, user_bytes, chosen)

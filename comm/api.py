@@ -12,7 +12,6 @@ Set-up and teardown live in :mod:`memrt.comm.setup`, how one call runs (choice, 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as tdist
 from memrt.comm import fusion
 from memrt.comm import hierarchical as alg
 from memrt.comm.dispatch import (Choice, check_arguments, compressed_inter_hop, compressed_inter_scatter, decide,
-                                 end_trial, on_world, run_flat, run_own)
+                                 measure_trial, on_world, run_flat, run_own)
 from memrt.comm.reduction import REDUCE_OPS, op_name
 from memrt.comm.setup import (STATE, comm_mode, destroy_process_group, ensure, get_topology, init_process_group,
                               let_backend_threads_finish, prepare, set_checks, settings, setup_topology,
@@ -125,15 +124,16 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     choice = decide("broadcast", nbytes, tensor.dtype, src=src)
     if choice.algorithm == "off":
         return tdist.broadcast(tensor, src, group, async_op)
-    start = time.perf_counter()
+
+    def hier() -> None:
+        alg.hierarchical_broadcast(tensor, src, STATE.topology, groups=STATE.groups)
+
+    choice = measure_trial(choice, tensor, {"flat": lambda: tdist.broadcast(tensor, src, group), "hier": hier})
     if choice.algorithm == "hier":
-        work = run_own("broadcast", tensor, nbytes, "hier", choice.predicted,
-                       lambda: alg.hierarchical_broadcast(tensor, src, STATE.topology, groups=STATE.groups),
-                       async_op, [tensor], reason=choice.reason)
-    else:
-        work = run_flat("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
-                        choice.predicted, reason=choice.reason)
-    return end_trial(choice, start, work)
+        return run_own("broadcast", tensor, nbytes, "hier", choice.predicted, hier, async_op, [tensor],
+                       reason=choice.reason)
+    return run_flat("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
+                    choice.predicted, reason=choice.reason)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -155,17 +155,17 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
               else Choice("flat", None))
     if choice.algorithm == "off":
         return flat_fn(output_tensor, input_tensor, group, async_op)
-    start = time.perf_counter()
+
+    def hier() -> None:
+        alg.hierarchical_all_gather(output_tensor, input_tensor, STATE.topology, groups=STATE.groups)
+
+    choice = measure_trial(choice, input_tensor, {"flat": lambda: flat_fn(output_tensor, input_tensor, group),
+                                                  "hier": hier})
     if choice.algorithm == "hier":
-        work = run_own("all_gather", input_tensor, nbytes, "hier", choice.predicted,
-                       lambda: alg.hierarchical_all_gather(output_tensor, input_tensor, STATE.topology,
-                                                           groups=STATE.groups),
-                       async_op, [output_tensor], reason=choice.reason)
-    else:
-        work = run_flat("all_gather", input_tensor, nbytes,
-                        lambda: flat_fn(output_tensor, input_tensor, group, async_op), async_op,
-                        choice.predicted if choice.algorithm == "flat" else None, reason=choice.reason)
-    return end_trial(choice, start, work)
+        return run_own("all_gather", input_tensor, nbytes, "hier", choice.predicted, hier, async_op,
+                       [output_tensor], reason=choice.reason)
+    return run_flat("all_gather", input_tensor, nbytes, lambda: flat_fn(output_tensor, input_tensor, group, async_op),
+                    async_op, choice.predicted if choice.algorithm == "flat" else None, reason=choice.reason)
 
 
 all_gather_single = all_gather_into_tensor
@@ -180,23 +180,22 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     choice = decide("all_gather", nbytes, tensor.dtype) if STATE.mpi is None else Choice("flat", None)
     if choice.algorithm == "off":
         return tdist.all_gather(tensor_list, tensor, group, async_op)
-    start = time.perf_counter()
-    if choice.algorithm != "hier":
-        work = run_flat("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
-                        async_op, choice.predicted, reason=choice.reason)
-        return end_trial(choice, start, work)
-    if STATE.checks:
+    if STATE.checks and (choice.algorithm == "hier" or choice.trial is not None):  # torch's call checks its own
         check_arguments("all_gather", tensor, STATE.check_group)
 
-    def fn() -> None:
+    def hier() -> None:
         out = torch.empty(len(tensor_list) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         alg.hierarchical_all_gather(out, tensor, STATE.topology, groups=STATE.groups)
         for i, t in enumerate(tensor_list):
             t.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view(tensor.shape))
 
-    work = run_own("all_gather", tensor, nbytes, "hier", choice.predicted, fn, async_op, list(tensor_list),
+    choice = measure_trial(choice, tensor, {"flat": lambda: tdist.all_gather(tensor_list, tensor, group),
+                                            "hier": hier})
+    if choice.algorithm != "hier":
+        return run_flat("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
+                        async_op, choice.predicted, reason=choice.reason)
+    return run_own("all_gather", tensor, nbytes, "hier", choice.predicted, hier, async_op, list(tensor_list),
                    reason=choice.reason)
-    return end_trial(choice, start, work)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = tdist.ReduceOp.SUM,  # noqa: A002

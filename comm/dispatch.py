@@ -25,8 +25,8 @@ from memrt.comm.setup import STATE
 from memrt.comm.work import MemrtWork, RecordedWork, raise_diagnosed
 from memrt.profiling import recorder
 
-__all__ = ["Choice", "check_arguments", "compressed_inter_hop", "compressed_inter_scatter", "decide", "end_trial",
-           "on_world", "record", "run_flat", "run_own", "sent_per_tier", "world_size"]
+__all__ = ["Choice", "check_arguments", "compressed_inter_hop", "compressed_inter_scatter", "decide",
+           "measure_trial", "on_world", "record", "run_flat", "run_own", "sent_per_tier", "world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Choice(NamedTuple):
     algorithm: str
     predicted: float | None
     trial: tuple | None = None
-    """Set on a timed trial call (:mod:`memrt.comm.measured_pick`): run it to completion, then :func:`end_trial`."""
+    """Set on the first call of a tie (:mod:`memrt.comm.measured_pick`): run :func:`measure_trial` before the call."""
     reason: str = ""
 
 
@@ -83,24 +83,41 @@ def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src:
     if cfg.comm != "auto":
         return Choice(d.algorithm, d.predicted_seconds)
     algorithm, trial = STATE.picks.choose(op, nbytes, d.candidates, d.algorithm, src=src)
-    reason = "measured pick: timed trial" if trial is not None else STATE.picks.reason(op, nbytes, src)
+    reason = STATE.picks.reason(op, nbytes, src)
     return Choice(algorithm, d.candidates.get(algorithm, d.predicted_seconds), trial, reason)
 
 
-def end_trial(choice: Choice, start: float, work: Any) -> Any:
-    """After a trial call: wait for it, report its time; the last trial of its size class settles the pick
-    with the other ranks (the same call on every rank). Returns ``work`` (complete)."""
+def measure_trial(choice: Choice, t: torch.Tensor, runners: dict[str, Callable[[], Any]]) -> Choice:
+    """The choice to run once ``choice``'s trials are done: with a trial key (the first call of a tie, see
+    :mod:`memrt.comm.measured_pick`), time ``runners`` (one complete call of each algorithm with the user's own
+    arguments) on the comm thread after every earlier call, settle the pick with the other ranks, and return it.
+    The trials are memrt's own calls: not recorded, not profiled; the user's call then runs and is, once."""
     if choice.trial is None:
-        return work
-    if work is not None:
-        work.wait()
+        return choice
     picks = STATE.picks
-    picks.add(choice.trial, choice.algorithm, time.perf_counter() - start)
-    if picks.pending(choice.trial):  # the hang watchdog covers the exchange as it covers a collective
-        with STATE.health.inside(choice.trial[0]) if STATE.health is not None else contextlib.nullcontext():
-            picks.settle(choice.trial, tdist.distributed_c10d._get_default_store(), STATE.topology.rank,
-                         STATE.topology.world_size)
-    return work
+    sub = streams.DeviceSubmission(t)
+    chosen: list[str] = []
+
+    def sync() -> None:
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+
+    def trials() -> None:
+        chosen.append(picks.measure(choice.trial, runners, barrier=tdist.barrier, sync=sync,
+                                    store=tdist.distributed_c10d._get_default_store(), rank=STATE.topology.rank,
+                                    world=STATE.topology.world_size))
+
+    def job() -> None:
+        try:  # the hang watchdog covers the trials and the exchange as it covers a collective
+            with (STATE.health.inside(choice.trial[0]) if STATE.health is not None else contextlib.nullcontext()), \
+                    events.quiet(), passthrough():
+                sub.run(trials)
+        except Exception as exc:  # noqa: BLE001
+            raise_diagnosed(choice.trial[0], exc)
+
+    STATE.executor.submit(job).result()
+    op, size, src = choice.trial
+    return Choice(chosen[0], picks.predicted(choice.trial), None, picks.reason(op, size, src))
 
 
 _exact_cfg: list[Any] = [None, None]
