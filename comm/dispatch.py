@@ -90,34 +90,38 @@ def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src:
 def measure_trial(choice: Choice, t: torch.Tensor, runners: dict[str, Callable[[], Any]]) -> Choice:
     """The choice to run once ``choice``'s trials are done: with a trial key (the first call of a tie, see
     :mod:`memrt.comm.measured_pick`), time ``runners`` (one complete call of each algorithm with the user's own
-    arguments) on the comm thread after every earlier call, settle the pick with the other ranks, and return it.
-    The trials are memrt's own calls: not recorded, not profiled; the user's call then runs and is, once."""
+    arguments) where the call itself would run them: flat on the calling thread, memrt's hierarchical algorithm
+    on the comm thread with the caller waiting (its hand-off is part of its cost); then settle the pick with
+    the other ranks and return it. The trials are memrt's own calls, not recorded, not profiled; the user's
+    call then runs once, recorded."""
     if choice.trial is None:
         return choice
-    picks = STATE.picks
+    op = choice.trial[0]
     sub = streams.DeviceSubmission(t)
-    chosen: list[str] = []
+
+    def on_comm_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def job() -> None:
+            with events.quiet():
+                sub.run(fn)
+
+        return lambda: STATE.executor.submit(job).result()
 
     def sync() -> None:
         if t.is_cuda:
             torch.cuda.synchronize(t.device)
 
-    def trials() -> None:
-        chosen.append(picks.measure(choice.trial, runners, barrier=tdist.barrier, sync=sync,
-                                    store=tdist.distributed_c10d._get_default_store(), rank=STATE.topology.rank,
-                                    world=STATE.topology.world_size))
-
-    def job() -> None:
-        try:  # the hang watchdog covers the trials and the exchange as it covers a collective
-            with (STATE.health.inside(choice.trial[0]) if STATE.health is not None else contextlib.nullcontext()), \
-                    events.quiet(), passthrough():
-                sub.run(trials)
-        except Exception as exc:  # noqa: BLE001
-            raise_diagnosed(choice.trial[0], exc)
-
-    STATE.executor.submit(job).result()
-    op, size, src = choice.trial
-    return Choice(chosen[0], picks.predicted(choice.trial), None, picks.reason(op, size, src))
+    timed = {a: on_comm_thread(fn) if a == "hier" else fn for a, fn in runners.items()}
+    STATE.executor.submit(lambda: None).result()  # memrt's earlier calls are done: every rank's next call matches
+    try:  # the hang watchdog covers the trials and the exchange as it covers a collective
+        with (STATE.health.inside(op) if STATE.health is not None else contextlib.nullcontext()), \
+                events.quiet(), passthrough():
+            algorithm = STATE.picks.measure(choice.trial, timed, barrier=tdist.barrier, sync=sync,
+                                            store=tdist.distributed_c10d._get_default_store(),
+                                            rank=STATE.topology.rank, world=STATE.topology.world_size)
+    except Exception as exc:  # noqa: BLE001
+        raise_diagnosed(op, exc)
+    _, size, src = choice.trial
+    return Choice(algorithm, STATE.picks.predicted(choice.trial), None, STATE.picks.reason(op, size, src))
 
 
 _exact_cfg: list[Any] = [None, None]
