@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as tdist
 
-from memrt.comm.measured_pick import (TIE_RATIO, MeasuredPicks, decide_from_rounds, size_class, trial_plan,
+from memrt.comm.measured_pick import (MARGIN, TIE_RATIO, MeasuredPicks, decide_from_rounds, size_class, trial_plan,
                                       wins_needed)
 from memrt.testing import run_processes
 
@@ -35,7 +35,11 @@ def test_only_a_clear_majority_of_rounds_overrides_the_model_and_the_slowest_ran
         rank1 = {"flat": [1.0] * rounds, "hier": [0.9] * wins + [1.5] * (rounds - wins)}
         chosen, reason = decide_from_rounds("flat", [rank0, rank1])
         assert chosen == want, (wins, reason)
-        assert reason.startswith(f"measured: hier faster in {wins} of 16 rounds"), reason
+        assert reason.startswith(f"measured: hier faster in {wins} of 16 rounds, 1.111x"), reason
+    # faster in every round but by less than MARGIN: the model's pick stays
+    narrow = {"flat": [1.0] * rounds, "hier": [1.0 / (MARGIN - 0.01)] * rounds}
+    assert decide_from_rounds("hier", [narrow])[0] == "hier"
+    assert decide_from_rounds("hier", [{"flat": [1.0] * rounds, "hier": [MARGIN + 0.01] * rounds}])[0] == "flat"
     # slower in the slowest rank's figures even though faster on rank 0: the model's pick stays
     rank0 = {"flat": [1.0] * 8, "hier": [0.1] * 8}
     rank1 = {"flat": [1.0] * 8, "hier": [3.0] * 8}
@@ -86,7 +90,7 @@ def test_measure_runs_alternating_blocks_then_both_ranks_agree():
     for picks in ranks:  # the size class keeps it; another source rank is another class
         assert picks.choose("broadcast", (128 << 20) + 1, {"flat": 1.0, "hier": 1.05}, "flat", src=2) == ("hier", None)
         assert picks.choose("broadcast", nbytes, {"flat": 1.0, "hier": 1.05}, "flat", src=0)[1] is not None
-        assert picks.reason("broadcast", nbytes, 2).startswith("measured: hier faster in 6 of 6 rounds")
+        assert picks.reason("broadcast", nbytes, 2).startswith("measured: hier faster in 6 of 6 rounds, ")
     assert size_class(5000) == size_class(8192) == 8192
 
 
