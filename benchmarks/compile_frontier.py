@@ -40,22 +40,6 @@ def _compiled_arm(w: mf.Workload, name: str, run_blocks: Any) -> mf.Arm:
     return mf._new_arm(w, name, lambda m: torch.compile(mf._blockwise(w, m, run_blocks)))
 
 
-def _budget_backend(budget: float) -> Any:
-    """inductor with ``activation_memory_budget = budget`` while it partitions, as a backend of its own.
-
-    Arms that compile the same model class share dynamo's cache of compiled code for its ``forward``: with the
-    default backend every such arm would run the graph compiled last (all budget arms measured as the last
-    one's). Dynamo keeps code compiled for another backend apart, so each budget arm runs its own."""
-    import torch._functorch.config as fconfig
-    from torch._inductor.compile_fx import compile_fx
-
-    def backend(gm: Any, example_inputs: Any) -> Any:
-        with fconfig.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
-
-    return backend
-
-
 MAX_WARM_STEPS = 12
 """Steps a memrt arm may take to certify its plan: profile, then per plan tried one step that recompiles
 (not measured) and one measured step, certified when the next one begins; up to three plans and the floor."""
@@ -133,7 +117,7 @@ def compiled_arms(w: mf.Workload, *, memrt_budgets: list[int], compile_budgets: 
         name = f"compile_budget={b}"
         try:
             torch._dynamo.reset()
-            arm = mf._new_arm(w, name, lambda m: torch.compile(m, backend=_budget_backend(b)))
+            arm = mf._new_arm(w, name, lambda m: torch.compile(m, backend=mf.budget_backend(b)))
             _warm(w, arm, 2)
             arms.append(arm)
         except Exception as exc:  # noqa: BLE001
