@@ -97,14 +97,18 @@ def measure_trial(choice: Choice, t: torch.Tensor, runners: dict[str, Callable[[
     if choice.trial is None:
         return choice
     op = choice.trial[0]
-    sub = streams.DeviceSubmission(t)
 
     def on_comm_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
-        def job() -> None:
-            with events.quiet():
-                sub.run(fn)
+        def call() -> None:  # as run_own: the submission made on the caller's thread, after its earlier work
+            sub = streams.DeviceSubmission(t)
 
-        return lambda: STATE.executor.submit(job).result()
+            def job() -> None:
+                with events.quiet():
+                    sub.run(fn)
+
+            STATE.executor.submit(job).result()
+
+        return call
 
     def sync() -> None:
         if t.is_cuda:

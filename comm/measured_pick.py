@@ -11,9 +11,9 @@ algorithm is its slowest rank's. The model's pick stands unless the other algori
 rounds that chance would give that less than 5% of the time (a sign test) and by at least 5% (MARGIN, the
 median of the rounds' ratios): a noisy or narrow measurement keeps the model's pick, a clear one overrides it.
 Each algorithm runs where the call would run it (flat on the calling thread, memrt's hierarchical algorithm
-on its comm thread, the caller waiting), so the hand-off between threads is part of hier's time. That pick holds for the rest of the job. Reducing ops (all_reduce,
-reduce_scatter) sum in an order that differs between the algorithms, so their pick stays the model's: a
-timing may change a job's speed, never its numbers.
+on its comm thread, the caller waiting), so the hand-off between threads is part of hier's time. That pick
+holds for the rest of the job. Reducing ops (all_reduce, reduce_scatter) sum in an order that differs between
+the algorithms, so their pick stays the model's: a timing may change a job's speed, never its numbers.
 
 Every rank makes the same calls in the same order, so every rank reaches the first call of a size class
 together and runs the same trials; the exchange is one store write and one read of every rank's figures.
@@ -150,7 +150,7 @@ class MeasuredPicks:
         mine: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
         for algorithm in ALGORITHMS:  # first use of each path (buffers, sub-groups) is not timed
             runners[algorithm]()
-        sync()
+            sync()
         for r in range(rounds):
             for algorithm in ALGORITHMS if r % 2 == 0 else ALGORITHMS[::-1]:
                 barrier()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -118,7 +118,7 @@ class RecordedWork:
         return getattr(self._work, name)
 
 
-def raise_diagnosed(name: str, exc: BaseException) -> None:
+def raise_diagnosed(name: str, exc: BaseException) -> NoReturn:
     from memrt.comm.health import CollectiveMismatchError, PeerFailureError
 
     if STATE.health is None or isinstance(exc, (PeerFailureError, CollectiveMismatchError, TypeError, ValueError)):

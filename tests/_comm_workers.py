@@ -193,19 +193,33 @@ def measured_picks(rank: int, world: int) -> dict:
         x = torch.arange(numel, dtype=torch.float32) + 1000 * rank
         want = torch.cat([torch.arange(numel, dtype=torch.float32) + 1000 * r for r in range(world)])
         seen = len(get_recorder().comm)
-        for i in range(calls):
+        for i in range(calls):  # the first call (the trials') asynchronous
             out = torch.full((world * numel,), float("nan"))
-            work = dist.all_gather_into_tensor(out, x, async_op=bool(i % 2))
+            work = dist.all_gather_into_tensor(out, x, async_op=i % 2 == 0)
             if work is not None:
                 work.wait()
             if not torch.equal(out, want):
                 fails.append(f"all_gather {numel} call {i}")
         sequences[f"all_gather {numel}"] = [r.algorithm for r in get_recorder().comm[seen:]]
+        # the list form, at a size class of its own (the tensor form's pick would hold for it)
+        y = torch.cat([x, x, x])
+        want_list = [torch.cat([torch.arange(numel, dtype=torch.float32) + 1000 * r] * 3) for r in range(world)]
+        seen = len(get_recorder().comm)
+        for i in range(calls):
+            outs = [torch.full_like(y, float("nan")) for _ in range(world)]
+            work = dist.all_gather(outs, y, async_op=i == 0)
+            if work is not None:
+                work.wait()
+            if not all(torch.equal(o, w) for o, w in zip(outs, want_list)):
+                fails.append(f"all_gather list {3 * numel} call {i}")
+        sequences[f"all_gather list {3 * numel}"] = [r.algorithm for r in get_recorder().comm[seen:]]
         seen = len(get_recorder().comm)
         for i in range(calls):
             a = x.clone()
             b = x.clone()
-            dist.broadcast(a, src=3)
+            work = dist.broadcast(a, src=3, async_op=i == 0)
+            if work is not None:
+                work.wait()
             tdist.broadcast(b, src=3)
             if not torch.equal(a, b):
                 fails.append(f"broadcast {numel} call {i}")
