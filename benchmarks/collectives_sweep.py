@@ -198,7 +198,7 @@ def _check_worker(ops: list[str], sizes: list[int], quick: bool) -> None:
                                backend=str(tdist.get_backend())).candidates
             times: dict[str, list[float]] = {m: [] for m in CHECK_MODES}
             chosen: set[str] = set()
-            for mode in CHECK_MODES:  # warm-up of each path; auto's first call runs its trials where it times
+            for mode in CHECK_MODES:  # warm-up of each path; where the model ties, auto's first call runs the trials
                 with dist.comm_mode(mode):
                     call()
 
