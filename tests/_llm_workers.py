@@ -197,9 +197,10 @@ def _gpt_adamw_steps(model: Any, forward: Any, cfg: Any, steps: int) -> None:
         opt.zero_grad()
 
 
-def compile_check(out_path: str, budget: int) -> None:
+def compile_check(out_path: str, budget: int, dropout: float = 0.0) -> None:
     """Compiled stock vs compiled + memrt (auto then compile, and auto of the compiled model), 4 AdamW steps
-    (step 1 profiles, step 2 recompiles under the plan, step 3 is certified when step 4 begins).
+    (step 1 profiles, step 2 recompiles under the plan, step 3 is certified when step 4 begins), the GPT's
+    dropout ``dropout`` (0: a forward without random numbers, which memrt may leave to torch's partitioner).
 
     Run in a fresh process with one thread (inductor's CPU reductions split over threads are not
     reproducible run to run) and MALLOC_MMAP_THRESHOLD_=65536 (memrt's CPU budget measure).
@@ -212,7 +213,9 @@ def compile_check(out_path: str, budget: int) -> None:
     from memrt.testing.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
-    cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=2, d_model=64, dropout=0.0)
+    import torch._functorch.config as fconfig
+
+    cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=2, d_model=64, dropout=dropout)
 
     def run(mode: str) -> tuple[dict, Any, Any]:
         torch._dynamo.reset()
@@ -235,7 +238,94 @@ def compile_check(out_path: str, budget: int) -> None:
         state, plan, actions = run(mode)
         summary[mode] = {"equal": all(torch.equal(state[k], ref[k]) for k in ref),
                          "actions": {u.name: u.action for u in plan.units}, "compiled_actions": actions,
-                         "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes}
+                         "measured": plan.measured_peak_bytes, "budget": plan.budget_bytes,
+                         "compiled_budget": plan.compiled_budget,
+                         "setting_after": fconfig.activation_memory_budget}
+    with open(out_path, "w") as f:
+        json.dump(summary, f)
+
+
+def partitioner_setting_check(out_path: str) -> None:
+    """Two small GPTs without dropout compiled under memrt's partitioner plans at two budgets, their steps
+    alternating, with dynamo allowed one recompile per frame (so that the second model's forward runs eagerly
+    after memrt's step hook patched torch's setting): torch's ``activation_memory_budget`` after every step, and
+    the plans' ratios. Fresh process, one thread."""
+    import json
+
+    import torch._dynamo.config as dconfig
+    import torch._functorch.config as fconfig
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    torch.manual_seed(0)
+    probe = GPT(cfg)
+    memrt.auto(probe, budget=10**9, offload="none", cache=PlanCache())
+    _gpt_adamw_steps(probe, probe, cfg, 2)
+    keep_all, low = memrt.plan_of(probe).keep_all_peak_bytes, memrt.plan_of(probe).min_feasible_bytes
+    dconfig.recompile_limit = 1
+    models = []
+    for fraction in (0.8, 0.6):
+        m = GPT(cfg)
+        memrt.auto(m, budget=int(low + fraction * (keep_all - low)), offload="none", cache=PlanCache())
+        models.append((m, torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-2)))
+    settings, ratios = [], set()
+    for s in range(5):
+        for m, f, opt in models:
+            x, y = gpt_batch(cfg, 8, seed=s)
+            lm_loss(f(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            settings.append(fconfig.activation_memory_budget)
+            ratios.add(memrt.plan_of(m).compiled_budget)
+    with open(out_path, "w") as f:
+        json.dump({"settings": settings, "ratios": sorted(r for r in ratios if r is not None)}, f)
+
+
+def cnn_partition_check(out_path: str, budget: int) -> None:
+    """A compiled CNN (no random numbers) whose compiled step torch's partitioner makes larger under a budget
+    below 1.0 than with none: memrt tries the partitioner, then plans the units' actions; 8 AdamW steps,
+    state against compiled stock, the plan's measured peak, memrt's warnings. Fresh process, one thread."""
+    import json
+    import logging
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from memrt.testing.models import ConvNet
+
+    torch.set_num_threads(1)
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("memrt").addHandler(Keep(logging.WARNING))
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(1))
+
+    def run(planned: bool) -> tuple[dict, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = ConvNet(16, 4)
+        if planned:
+            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+        f = torch.compile(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(8):
+            torch.nn.functional.cross_entropy(f(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m) if planned else None
+
+    ref, _ = run(False)
+    state, plan = run(True)
+    summary = {"equal": all(torch.equal(state[k], ref[k]) for k in ref), "measured": plan.measured_peak_bytes,
+               "compiled_budget": plan.compiled_budget, "actions": [u.action for u in plan.units],
+               "said": [m for m in said if "partitioned by torch" in m]}
     with open(out_path, "w") as f:
         json.dump(summary, f)
 

@@ -2,8 +2,10 @@
 
 In a fresh process (one thread, MALLOC_MMAP_THRESHOLD_=65536): a small GPT compiled by inductor on
 CPU, stock vs ``memrt.auto`` then ``torch.compile`` vs ``memrt.auto(torch.compile(model))``, under a
-budget that forces recompute: state after 4 AdamW steps bitwise equal to compiled stock, the plan
-recomputes some units and keeps others inside the graph, measured peak of the compiled step <= budget.
+budget that forces recompute: state after 4 AdamW steps bitwise equal to compiled stock, measured peak
+of the compiled step <= budget. With dropout the plan recomputes some units and keeps others inside the
+graph; without, torch's partitioner runs the graph under the ratio memrt chose, and where that misses the
+budget (a CNN) memrt plans the units' actions instead.
 Each block compiled instead (the model itself eager, torchtitan's way): memrt without a budget and at a
 budget, bitwise equal to the same per-block compiled model without memrt.
 """
@@ -24,6 +26,11 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 BUDGET = 9_000_000
 """Between the model's every-unit-recomputed floor (~8.5 MB) and its keep-all peak (~13.5 MB)."""
+DROPOUT_BUDGET = 11_000_000
+"""The same with dropout 0.1 (its masks are saved too): floor ~9.2 MB measured compiled."""
+CNN_BUDGET = 5_800_000
+"""ConvNet(16, 4) on 8 x 3 x 32 x 32: its eager profile puts keep-all at ~7.1 MiB and every unit recomputed at
+~4.1 MiB; compiled under the partitioner's budget for this (0.47, then 0.32) the step measures ~6.2-6.6 MB."""
 BLOCK_BUDGET = 12_000_000
 """Between block_compile_check's compiled floor (~9.9 MB measured) and its keep-all peak (~18 MB)."""
 
@@ -45,12 +52,52 @@ def _fresh_process(tmp_path: Path, call: str) -> dict:
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
 def test_compiled_model_keeps_plan_and_bits(tmp_path):
-    summary = _fresh_process(tmp_path, f"compile_check({{out}}, {BUDGET})")
+    """Dropout in the forward: the units' plan as checkpointed regions (which replay the random state)."""
+    summary = _fresh_process(tmp_path, f"compile_check({{out}}, {DROPOUT_BUDGET}, dropout=0.1)")
     for mode, s in summary.items():
         assert s["equal"], f"{mode}: state differs from compiled stock"
         assert set(s["actions"].values()) == {"recompute", "keep"}, s  # the budget needs some recompute, not all
         assert s["compiled_actions"] == s["actions"], "the graph must run the plan's actions"
+        assert s["compiled_budget"] is None, "a forward with dropout is never left to torch's partitioner"
+        assert s["measured"] is not None and s["measured"] <= DROPOUT_BUDGET, s
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
+def test_compiled_model_partitioned_by_torch_under_the_budget(tmp_path):
+    """No random numbers in the forward: the graph partitioned by torch under the ratio memrt derives from its
+    budget, bitwise equal to compiled stock, measured under the budget, torch's setting given back."""
+    summary = _fresh_process(tmp_path, f"compile_check({{out}}, {BUDGET})")
+    for mode, s in summary.items():
+        assert s["equal"], f"{mode}: state differs from compiled stock"
+        assert 0 < s["compiled_budget"] < 1, s
+        assert set(s["actions"].values()) == {"keep"}, s
         assert s["measured"] is not None and s["measured"] <= BUDGET, s
+        assert s["setting_after"] == 1.0, "torch's activation_memory_budget must be given back after the forward"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
+def test_partitioner_setting_given_back_when_dynamo_runs_the_forward_eagerly(tmp_path):
+    """Two models under partitioner plans, dynamo's recompile limit at 1: a forward dynamo gives up on runs eagerly
+    after memrt's step hook set torch's setting; the output hook gives it back all the same."""
+    s = _fresh_process(tmp_path, "partitioner_setting_check({out})")
+    assert s["ratios"], s  # a model planned by the partitioner
+    assert s["settings"] == [1.0] * len(s["settings"]), s
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
+def test_partitioner_miss_falls_back_to_the_units_plan(tmp_path):
+    """A CNN whose compiled step grows under the partitioner's budget: two tries, then the units' plan, which
+    fits; bitwise equal to compiled stock throughout (dynamo recompiles at each change of plan)."""
+    s = _fresh_process(tmp_path, f"cnn_partition_check({{out}}, {CNN_BUDGET})")
+    assert s["equal"], "state differs from compiled stock"
+    assert len(s["said"]) == 2, s
+    assert "re-planning with that held back" in s["said"][0], s
+    assert "planning the units' actions instead" in s["said"][1], s
+    assert s["compiled_budget"] is None and "recompute" in s["actions"], s
+    assert s["measured"] is not None and s["measured"] <= CNN_BUDGET, s
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

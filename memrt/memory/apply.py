@@ -125,6 +125,8 @@ class ApplyHandle:
             if act != u.action:
                 fallbacks[u.name] = u.action
         self.inst.compiled_actions = actions
+        budget = getattr(plan, "compiled_budget", None)
+        self.inst.compiled_budget = "" if budget is None else str(budget)
         self.inst.compiled_fallbacks = fallbacks  # said when a compiled graph traces the unit
 
     def _on_step(self, args: tuple, kwargs: dict) -> None:

@@ -38,6 +38,7 @@ from memrt.memory.apply import ApplyHandle
 from memrt.memory.buckets import (Shape, bucket_shapes, grows, input_shapes, scale_profile, shape_scale, signature_of,
                                   widen)
 from memrt.memory.cache import CacheEntry, PlanCache, cache_key, default_cache
+from memrt.memory.compiled import GRAPH_BUDGET_TRIES, graph_budget_plan
 from memrt.memory.meter import (Meter, device_capacity_bytes, known_tensors, make_meter, on_optimizer_step,
                                 owns_parameters, resident_bytes, watch_optimizers)
 from memrt.memory.planner import Plan, plan as make_plan, recompute_all_plan
@@ -93,6 +94,10 @@ class _State:
         """Whether this forward switched to shape buckets (undone if it gets no backward)."""
         """The key of the last training step."""
         self._bwd_hook: Any = None
+        self.unpartitioned: set[str] = set()
+        """Keys whose compiled step missed the budget under the partitioner's plan: planned by units now."""
+        self.partitioner_tries: dict[str, int] = {}
+        """Partitioner plans made per key."""
         self.rss0 = resident_bytes() if self.device.type == "cpu" else None
         self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                           for t in list(model.parameters()) + list(model.buffers())}.values())
@@ -121,7 +126,10 @@ class _State:
             # new shapes: buckets from now on, confirmed when this forward turns out to be a training step
             self.varying = provisional = True
         sig = signature_of(bucket_shapes(self.shapes) if self.varying else self.shapes)
-        key = cache_key(self.structure, sig, self.dtype, str(self.device), self.budget, self.offload)
+        structure = self.structure
+        if self.handle.inst.traced_step:  # plans of its own; dropout draws in training mode only
+            structure += "+traced" + ("" if self._model().training else "+eval")
+        key = cache_key(structure, sig, self.dtype, str(self.device), self.budget, self.offload)
         if key == self.key and self.entry is not None:
             self.provisional = provisional
             self._maybe_measure((args, kwargs), switched=provisional)
@@ -314,6 +322,12 @@ class _State:
                            signature_of(self.trained_shapes), signature_of(self.shapes))
 
     def _make_plan(self, profile: Profile, *, margin: int, tries: int, scale: float = 1.0) -> None:
+        if self._partitioned(profile):
+            p = graph_budget_plan(scale_profile(profile, scale), self.budget, margin)
+            if p is not None:
+                self.partitioner_tries[self.key] = self.partitioner_tries.get(self.key, 0) + 1
+                self._use_plan(p, profile, tries=tries, scale=scale)
+                return
         try:
             p = make_plan(scale_profile(profile, scale), self.budget, margin_bytes=margin, offload=self.offload,
                           config=self.config)
@@ -331,6 +345,14 @@ class _State:
             self.handle.set_plan(None)
             raise
         self._use_plan(p, profile, tries=tries, scale=scale)
+
+    def _partitioned(self, profile: Profile) -> bool:
+        """Whether this step's plan may be torch's partitioner under a budget (memrt.memory.compiled): the model
+        is compiled whole (its units' calls traced into its graph, profiled beside it) and its forward draws
+        no random numbers."""
+        inst = self.handle.inst
+        return (self.budget is not None and inst.traced_step and not self.sharded and not inst.units_in_graph
+                and profile.draws_random is False and self.key not in self.unpartitioned)
 
     def _try_floor_compiled(self, profile: Profile) -> bool:
         """A compiled step for which the eagerly profiled memory model finds no plan under the budget: run
@@ -396,6 +418,21 @@ class _State:
         over = measured - self.budget
         if counted is not None and counted <= self.budget:  # only memory outside the tensors is over
             self._replan_for_outside(entry, measured, over)
+            return
+        if p.compiled_budget is not None:  # torch's partitioner missed: its overshoot held back once, then units
+            retry = None
+            if self.partitioner_tries.get(self.key, 0) < GRAPH_BUDGET_TRIES:
+                retry = graph_budget_plan(scale_profile(entry.profile, p.shape_scale), self.budget,
+                                          _overshoot_margin(p, measured, over), missed=p.compiled_budget)
+            then = "re-planning with that held back" if retry is not None else "planning the units' actions instead"
+            logger.warning("memrt: the compiled step partitioned by torch under activation_memory_budget %s "
+                           "measured %d bytes, %d over the budget; %s", p.compiled_budget, measured, over, then)
+            if retry is not None:
+                self.partitioner_tries[self.key] = self.partitioner_tries.get(self.key, 0) + 1
+                self._use_plan(retry, entry.profile, tries=p.tries + 1, scale=p.shape_scale)
+            else:
+                self.unpartitioned.add(self.key)
+                self._make_plan(entry.profile, margin=0, tries=1, scale=p.shape_scale)
             return
         if p.tries >= MAX_TRIES:
             self.key, self.entry = None, None

@@ -14,6 +14,19 @@ forward), and measured as compiled steps are.
   checkpointed region (AOTAutograd recomputes it in backward). Offload actions cannot be carried
   by a compiled graph (saved-tensor hooks that move data do not trace): such a unit is recomputed
   instead, logged once with the reason.
+- **The whole graph partitioned by torch** (:func:`graph_budget_plan`): a model compiled whole whose forward
+  draws no random numbers may instead be planned as one ``activation_memory_budget`` for its graph: every
+  unit is called as it is and inductor's partitioner chooses, operator by operator, what the backward
+  recomputes (a knapsack over each saved tensor's size and recompute cost). memrt maps its budget onto the
+  partitioner's ratio between its eager profile's every-unit-recomputed and keep-all peaks and holds torch's
+  setting from the start of each compiled forward of the model to its end, when the forward's graphs are
+  compiled (:func:`memrt.memory.instrument.patch_partitioner` in the step hook, ``restore_partitioner`` in the
+  output hook: graphs the job compiles elsewhere keep their own setting),
+  and certifies the compiled step as any plan; a miss is retried once at a lower ratio, then the units'
+  own plan takes over. A forward that draws random numbers keeps per-unit regions: under a budget below 1.0
+  torch 2.13's partitioner may recompute a random operator in the backward with fresh random numbers (a
+  different dropout mask than the forward used: wrong gradients, pytorch/pytorch#190758), while a
+  checkpointed region replays the random state it saved.
 - **Profile**: memrt's eager profile needs its per-unit hooks, which a compiled step does not run.
   For a compiled step without a plan, :func:`shadow_profile` profiles one eager forward and backward
   of the same inputs first: gradients through ``torch.autograd.grad`` (no ``.grad`` is touched), the
@@ -31,12 +44,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memrt.memory.meter import graphs_compiled, status_bytes
 from memrt.memory.trees import tensor_leaves
 
 __all__ = ["compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
-           "compiled_meter"]
+           "compiled_meter", "graph_budget_plan", "GRAPH_BUDGET_MIN", "GRAPH_BUDGET_TRIES", "GRAPH_BUDGET_RETRY"]
 
 COMPILED_ACTIONS = ("keep", "recompute")
 """What a unit can do inside a compiled graph; every other action falls back to ``recompute``."""
@@ -68,7 +82,11 @@ def shadow_profile(model: nn.Module, units: Sequence[tuple[str, nn.Module]], dev
     try:
         with torch.random.fork_rng(devices=devices):
             session.begin((args, kwargs))
-            out = model.forward(*args, **kwargs)  # forward, not __call__: memrt's step hook stays out
+            before = _random_states(devices)
+            with _RandomOps() as random_ops:
+                out = model.forward(*args, **kwargs)  # forward, not __call__: memrt's step hook stays out
+            session.profile.draws_random = random_ops.seen or not all(
+                torch.equal(a, b) for a, b in zip(before, _random_states(devices)))
             outs = _grad_outputs(out)
             if outs and params:
                 grads = torch.autograd.grad(outs, params, grad_outputs=[torch.ones_like(t) for t in outs],
@@ -82,6 +100,66 @@ def shadow_profile(model: nn.Module, units: Sequence[tuple[str, nn.Module]], dev
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+
+
+def _random_states(devices: list[int]) -> list[torch.Tensor]:
+    """The default generators' states (CPU and the given CUDA devices): a forward that draws moves them."""
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+
+
+class _RandomOps(TorchDispatchMode):
+    """Sees whether any operator that draws random numbers runs (torch tags them ``nondeterministic_seeded``,
+    as its partitioner does), whatever generator it draws from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not self.seen and torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------------ the partitioner's budget
+GRAPH_BUDGET_MIN = 0.05
+"""The smallest partitioner ratio memrt plans with. Near 0 the partitioner saves little more than the graph's
+inputs and the backward recomputes the forward at its start, holding as much as keeping everything; budgets
+that low are served by recomputing units as checkpointed regions."""
+
+GRAPH_BUDGET_TRIES = 2
+"""Partitioner plans tried per key (the second holds back the first one's overshoot) before memrt plans the
+units' actions instead."""
+
+
+GRAPH_BUDGET_RETRY = 0.8
+"""A retry's ratio is at most this fraction of the one that missed: the partitioner's choice moves in steps (a
+saved tensor more or less), so a ratio lowered by the overshoot alone often picks the same tensors again."""
+
+
+def graph_budget_plan(profile: Any, budget: int, margin_bytes: int = 0, *, missed: float | None = None) -> Any:
+    """The plan that partitions a compiled graph under the ratio placing its peak at ``budget - margin_bytes``
+    between the eager profile's every-unit-recomputed and keep-all peaks (after a miss at ratio ``missed``: at
+    most :data:`GRAPH_BUDGET_RETRY` of it), or None where that ratio is 1 (everything fits kept: the units'
+    plan keeps all) or under :data:`GRAPH_BUDGET_MIN`."""
+    from memrt.memory.planner import recompute_all_plan
+
+    p = recompute_all_plan(profile, budget)
+    low, high = p.predicted_peak_bytes, p.keep_all_peak_bytes
+    target = int(budget) - int(margin_bytes)
+    if high <= low or target >= high:
+        return None
+    ratio = round((target - low) / (high - low), 3)
+    if missed is not None:
+        ratio = min(ratio, round(GRAPH_BUDGET_RETRY * missed, 3))
+    if ratio < GRAPH_BUDGET_MIN:
+        return None
+    for u in p.units:
+        u.action, u.bytes_kept, u.bytes_freed, u.added_seconds = "keep", u.bytes_kept + u.bytes_freed, 0, 0.0
+    p.compiled_budget = ratio
+    p.predicted_peak_bytes = int(low + ratio * (high - low))
+    p.margin_bytes = int(margin_bytes)
+    return p
 
 
 # ----------------------------------------------------------------------------------------- measuring

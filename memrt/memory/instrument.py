@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["Instrumentation", "UnitCall", "compiled_unit_call", "is_compiled"]
+__all__ = ["Instrumentation", "UnitCall", "compiled_unit_call", "is_compiled", "patch_partitioner",
+           "restore_partitioner"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ class Instrumentation:
         self.on_output = on_output
         self.compiled_actions: dict[str, str] = {}
         """Unit name -> keep | recompute inside a compiled graph (memrt.memory.compiled)."""
+        self.compiled_budget = ""
+        """The partitioner's ``activation_memory_budget`` the model's compiled graphs are made under, as text
+        (dynamo recompiles when it changes); "": torch's own setting, the units' actions are the plan."""
+        self.partitioner_saved: tuple[float] | None = None
+        """torch's setting while :func:`patch_partitioner` holds it."""
         self.compiled_fallbacks: dict[str, str] = {}
         """Units a compiled step recomputes instead of their planned action (unit name -> that action)."""
         self.compiled_step = False
@@ -68,7 +74,8 @@ class Instrumentation:
             module.forward = self._make_forward(name, module, original)
         self._hook = (model.register_forward_pre_hook(_StepHook(self), with_kwargs=True)
                       if on_step or on_other else None)
-        self._out_hook = model.register_forward_hook(_OutputHook(self)) if on_output else None
+        # also without on_output: the output hook gives torch's partitioner setting back after a compiled forward
+        self._out_hook = model.register_forward_hook(_OutputHook(self)) if on_output or on_step else None
 
     def _make_forward(self, name: str, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
         return _UnitForward(self, name, module, original)
@@ -88,6 +95,7 @@ class Instrumentation:
         if self._removed:
             return
         self._removed = True
+        restore_partitioner(self)
         if self._hook is not None:
             self._hook.remove()
         if self._out_hook is not None:
@@ -148,6 +156,8 @@ class _UnitForward:
         if inst is None or inst._removed:
             return self.original(*args, **kwargs)
         if torch.compiler.is_compiling():  # inside a graph dynamo traces: the plan as checkpointed regions
+            if inst.compiled_budget:  # or the partitioner's: the unit as it is
+                return self.original(*args, **kwargs)
             return compiled_unit_call(inst.compiled_actions, self.name, self.original, args, kwargs)
         return inst.unit_call(self.name, self.module, self.original, args, kwargs)
 
@@ -190,7 +200,10 @@ def _eager_pre(inst: Instrumentation, module: nn.Module, args: tuple, kwargs: di
             _FALLBACKS_SAID.add(action)
             logger.warning("memrt: plan action %r cannot run inside a torch.compile graph (saved-tensor hooks that "
                            "move activations do not trace); those units are recomputed instead", action)
+    restore_partitioner(inst)  # a forward that raised before its output hook left it set
     inst._pre(module, args, kwargs)
+    if compiled:
+        patch_partitioner(inst)
 
 
 _OUTSIDE_GRAPH: list[Callable[..., None]] = []
@@ -205,7 +218,31 @@ def _pre_outside_graph() -> Callable[..., None]:
         import torch._dynamo
 
         _OUTSIDE_GRAPH.append(torch._dynamo.disable(_eager_pre))
+        _RESTORE.append(torch._dynamo.disable(restore_partitioner))
     return _OUTSIDE_GRAPH[0]
+
+
+_RESTORE: list[Callable[[Instrumentation], None]] = []
+""":func:`restore_partitioner` that dynamo never traces (it runs after the forward's graphs are compiled); made
+with :func:`_pre_outside_graph`, before dynamo traces a step's output hook."""
+
+
+def patch_partitioner(inst: Instrumentation) -> None:
+    """Set torch's ``activation_memory_budget`` to the plan's while the model's forward graphs compile."""
+    import torch._functorch.config as fconfig
+
+    if inst.compiled_budget and inst.partitioner_saved is None:
+        inst.partitioner_saved = (fconfig.activation_memory_budget,)
+        fconfig.activation_memory_budget = float(inst.compiled_budget)
+
+
+def restore_partitioner(inst: Instrumentation) -> None:
+    """Give torch's ``activation_memory_budget`` back the value it had before :func:`patch_partitioner`."""
+    import torch._functorch.config as fconfig
+
+    if inst.partitioner_saved is not None:
+        fconfig.activation_memory_budget, = inst.partitioner_saved
+        inst.partitioner_saved = None
 
 
 def _no_step_hook() -> Callable[..., None]:
@@ -223,6 +260,11 @@ class _OutputHook:
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         inst = self.ref()
         if inst is not None and not inst._removed:
+            if torch.compiler.is_compiling():
+                if inst.compiled_budget:  # a call outside the graph, after the forward's graphs are compiled
+                    _RESTORE[0](inst)
+            elif inst.partitioner_saved is not None:  # the forward ran eagerly (dynamo gave up recompiling it)
+                restore_partitioner(inst)
             inst._post(output)
 
     def __reduce__(self):

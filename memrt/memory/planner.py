@@ -92,6 +92,10 @@ class Plan:
     """CPU: bytes by which the step's resident peak exceeded the budget while its tensors fitted, when no
     plan removed that excess (memory outside torch's tensors: library scratch, allocator memory); the plan
     was kept with a warning. None: the resident peak fitted, or was not read."""
+    compiled_budget: float | None = None
+    """A compiled graph's plan made by torch's partitioner: every unit called as it is, the whole
+    graph partitioned under this ``activation_memory_budget`` (memrt.memory.compiled). None: the units'
+    actions are the plan."""
     floor_trial: bool = False
     """True for every unit recomputed, put in force for a compiled step although the eager profile's model
     predicts it over the budget: its measured compiled step decides (memrt.memory.auto)."""
@@ -133,6 +137,8 @@ class Plan:
                         f"{mb(u.bytes_moved):>9} {u.added_seconds * 1e3:>9.2f}")
         budget = "none" if self.budget_bytes is None else f"{mb(self.budget_bytes)} MiB"
         measured = "-" if self.measured_peak_bytes is None else f"{mb(self.measured_peak_bytes)} MiB"
+        if self.compiled_budget is not None:
+            rows.append(f"compiled graph partitioned by torch under activation_memory_budget {self.compiled_budget}")
         rows.append(f"budget {budget}; peak predicted {mb(self.predicted_peak_bytes)} MiB, measured {measured}; "
                     f"keep-all {mb(self.keep_all_peak_bytes)} MiB; min feasible {mb(self.min_feasible_bytes)} MiB")
         return "\n".join(rows)
