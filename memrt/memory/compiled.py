@@ -15,18 +15,17 @@ forward), and measured as compiled steps are.
   by a compiled graph (saved-tensor hooks that move data do not trace): such a unit is recomputed
   instead, logged once with the reason.
 - **The whole graph partitioned by torch** (:func:`graph_budget_plan`): a model compiled whole whose forward
-  draws no random numbers may instead be planned as one ``activation_memory_budget`` for its graph: every
-  unit is called as it is and inductor's partitioner chooses, operator by operator, what the backward
-  recomputes (a knapsack over each saved tensor's size and recompute cost). memrt maps its budget onto the
-  partitioner's ratio between its eager profile's every-unit-recomputed and keep-all peaks and holds torch's
-  setting from the start of each compiled forward of the model to its end, when the forward's graphs are
-  compiled (:func:`memrt.memory.instrument.patch_partitioner` in the step hook, ``restore_partitioner`` in the
-  output hook: graphs the job compiles elsewhere keep their own setting),
-  and certifies the compiled step as any plan; a miss is retried once at a lower ratio, then the units'
-  own plan takes over. A forward that draws random numbers keeps per-unit regions: under a budget below 1.0
-  torch 2.13's partitioner may recompute a random operator in the backward with fresh random numbers (a
-  different dropout mask than the forward used: wrong gradients, pytorch/pytorch#190758), while a
-  checkpointed region replays the random state it saved.
+  draws no random numbers may instead be planned as one ``activation_memory_budget`` for its graph: every unit
+  is called as it is and inductor's partitioner chooses, operator by operator, what the backward recomputes (a
+  knapsack over each saved tensor's size and recompute cost). memrt maps its budget onto the partitioner's
+  ratio between its eager profile's every-unit-recomputed and keep-all peaks and holds torch's setting from
+  the start of each compiled forward of the model to its end, when the forward's graphs are compiled
+  (:func:`memrt.memory.instrument.patch_partitioner` in the step hook, ``restore_partitioner`` in the output
+  hook: graphs the job compiles elsewhere keep their own setting), and certifies the compiled step as any
+  plan; a miss is retried once at a lower ratio, then the units' own plan takes over. A forward that draws
+  random numbers keeps per-unit regions: under a budget below 1.0 torch 2.13's partitioner may recompute a
+  random operator in the backward with fresh random numbers (a different dropout mask than the forward used:
+  wrong gradients, pytorch/pytorch#190758), while a checkpointed region replays the random state it saved.
 - **Profile**: memrt's eager profile needs its per-unit hooks, which a compiled step does not run.
   For a compiled step without a plan, :func:`shadow_profile` profiles one eager forward and backward
   of the same inputs first: gradients through ``torch.autograd.grad`` (no ``.grad`` is touched), the
@@ -130,7 +129,6 @@ that low are served by recomputing units as checkpointed regions."""
 GRAPH_BUDGET_TRIES = 2
 """Partitioner plans tried per key (the second holds back the first one's overshoot) before memrt plans the
 units' actions instead."""
-
 
 GRAPH_BUDGET_RETRY = 0.8
 """A retry's ratio is at most this fraction of the one that missed: the partitioner's choice moves in steps (a

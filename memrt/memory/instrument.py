@@ -228,7 +228,8 @@ with :func:`_pre_outside_graph`, before dynamo traces a step's output hook."""
 
 
 def patch_partitioner(inst: Instrumentation) -> None:
-    """Set torch's ``activation_memory_budget`` to the plan's while the model's forward graphs compile."""
+    """Set torch's ``activation_memory_budget`` to the plan's ratio, from the step hook of a compiled forward to its
+    output hook (the forward's graphs are compiled, and partitioned, in between)."""
     import torch._functorch.config as fconfig
 
     if inst.compiled_budget and inst.partitioner_saved is None:

@@ -105,9 +105,9 @@ class Profile:
     """The units are named only: their calls ran inside a compiled graph, where memrt measures nothing per
     unit. A plan made from it is the measured floor (every unit recomputed), kept in memory only."""
     draws_random: bool | None = None
-    """Whether the profiled forward drew from torch's default random generators (dropout, noise): a compiled
-    graph of such a model is never partitioned under an activation memory budget (memrt.memory.compiled).
-    None: not recorded (an eager profile)."""
+    """Whether the profiled forward drew random numbers (dropout, noise: an operator torch tags
+    ``nondeterministic_seeded`` ran, or a default generator moved): a compiled graph of such a model is never
+    partitioned under an activation memory budget (memrt.memory.compiled). None: not recorded (an eager profile)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
