@@ -107,17 +107,27 @@ def _random_states(devices: list[int]) -> list[torch.Tensor]:
 
 
 class _RandomOps(TorchDispatchMode):
-    """Sees whether any operator that draws random numbers runs (torch tags them ``nondeterministic_seeded``,
-    as its partitioner does), whatever generator it draws from."""
+    """Sees whether any operator that draws random numbers runs, whatever generator it draws from: torch tags such
+    operators ``nondeterministic_seeded``; an attention kernel so tagged draws only where its ``dropout_p`` is not
+    0 (CPU's flash attention is tagged at 0 too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if not self.seen and torch.Tag.nondeterministic_seeded in func.tags:
-            self.seen = True
-        return func(*args, **(kwargs or {}))
+            self.seen = _dropout_p(func, args, kwargs) != 0
+        return func(*args, **kwargs)
+
+
+def _dropout_p(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The ``dropout_p`` argument of an operator call (None where the operator has none)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            return args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+    return None
 
 
 # ------------------------------------------------------------------------ the partitioner's budget
