@@ -285,6 +285,53 @@ def partitioner_setting_check(out_path: str) -> None:
         json.dump({"settings": settings, "ratios": sorted(r for r in ratios if r is not None)}, f)
 
 
+def hf_partition_check(out_path: str, fraction: float) -> None:
+    """transformers' Llama (SDPA attention, no dropout, untied head) compiled whole: stock vs memrt.auto at the
+    budget ``fraction`` of the way from memrt's floor to its keep-all peak (read from an uncompiled probe's plan),
+    6 AdamW steps of a causal-LM loss computed by the model. Fresh process, one thread."""
+    import json
+
+    import memrt
+    from memrt.memory.cache import PlanCache
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    ids = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0))
+
+    torch.manual_seed(0)
+    probe = LlamaForCausalLM(cfg).train()
+    memrt.auto(probe, budget=10**10, offload="none", cache=PlanCache())
+    for _ in range(2):
+        probe(input_ids=ids, labels=ids).loss.backward()
+    low, high = memrt.plan_of(probe).min_feasible_bytes, memrt.plan_of(probe).keep_all_peak_bytes
+    memrt.disable(probe)
+    del probe
+    budget = int(low + fraction * (high - low))
+
+    def run(planned: bool) -> tuple[dict, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg).train()
+        if planned:
+            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+        f = torch.compile(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for _ in range(6):
+            f(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m) if planned else None
+
+    ref, _ = run(False)
+    state, plan = run(True)
+    with open(out_path, "w") as f:
+        json.dump({"equal": all(torch.equal(state[k], ref[k]) for k in ref), "budget": budget,
+                   "measured": plan.measured_peak_bytes, "compiled_budget": plan.compiled_budget}, f)
+
+
 def cnn_partition_check(out_path: str, budget: int) -> None:
     """A compiled CNN (no random numbers) whose compiled step torch's partitioner makes larger under a budget
     below 1.0 than with none: memrt tries the partitioner, then plans the units' actions; 8 AdamW steps,

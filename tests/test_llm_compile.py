@@ -78,6 +78,39 @@ def test_compiled_model_partitioned_by_torch_under_the_budget(tmp_path):
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
+def test_transformers_llama_partitioned_by_torch(tmp_path):
+    """transformers' Llama compiled whole (SDPA attention at dropout 0, which CPU's kernel tags as random):
+    partitioned by torch under memrt's ratio, bitwise equal to compiled stock, under the budget."""
+    s = _fresh_process(tmp_path, "hf_partition_check({out}, 0.5)")
+    assert s["equal"], "state differs from compiled stock"
+    assert s["compiled_budget"] is not None and 0 < s["compiled_budget"] < 1, s
+    assert s["measured"] is not None and s["measured"] <= s["budget"], s
+
+
+def test_random_operators_seen_by_their_dropout():
+    """What memrt counts as a forward that draws random numbers (such a graph is never handed to the partitioner)."""
+    import torch
+    import torch.nn.functional as F
+
+    from memrt.memory.compiled import _RandomOps
+
+    q = torch.randn(1, 2, 8, 4)
+
+    def seen(fn) -> bool:
+        with _RandomOps() as mode:
+            fn()
+        return mode.seen
+
+    assert not seen(lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.0))
+    assert seen(lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.3))
+    assert seen(lambda: F.dropout(q, 0.1, training=True))
+    assert not seen(lambda: F.dropout(q, 0.1, training=False))
+    assert seen(lambda: torch.randn(3, generator=torch.Generator().manual_seed(0)))  # not the default generator
+    assert not seen(lambda: q.softmax(-1) @ q.transpose(-1, -2))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
 def test_partitioner_setting_given_back_when_dynamo_runs_the_forward_eagerly(tmp_path):
     """Two models under partitioner plans, dynamo's recompile limit at 1: a forward dynamo gives up on runs eagerly
     after memrt's step hook set torch's setting; the output hook gives it back all the same."""
