@@ -201,11 +201,12 @@ def run_workload(key: str, w: mf.Workload, args: Any) -> dict[str, Any]:
         return {"workload": w.name, "rows": [], "skipped": notes}
     ref = next((a for a in base if a.name == "compiled"), base[0])
     t_ref = mf._median(ref.times_s)
-    ref_grads = _gradients(w, ref, initial)
+    ordered = base + [a for a in arms if a.name.startswith("memrt")]
+    grads = {a.name: _gradients(w, a, initial) for a in ordered}
     rows = []
-    for a in base + [a for a in arms if a.name.startswith("memrt")]:
+    for a in ordered:
         t = mf._median(a.times_s)
-        equal, diff = _compare(_gradients(w, a, initial), ref_grads)
+        equal, diff = _compare(grads[a.name], grads[ref.name])
         rows.append({"arm": a.name, "peak_bytes": a.peak_bytes, "step_s": t, "step_samples_s": a.times_s,
                      "time_vs_compiled": t / t_ref, "peak_vs_compiled": a.peak_bytes / ref.peak_bytes, "note": a.note,
                      "memrt": a.name.startswith("memrt"), "grads_equal": equal, "grads_rel_diff": diff,

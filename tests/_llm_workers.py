@@ -285,6 +285,26 @@ def partitioner_setting_check(out_path: str) -> None:
         json.dump({"settings": settings, "ratios": sorted(r for r in ratios if r is not None)}, f)
 
 
+def _compiled_adamw(build: Any, loss: Any, *, steps: int, lr: float, budget: int | None) -> tuple[dict, Any]:
+    """State after ``steps`` AdamW steps on ``loss(torch.compile(model))`` of a model ``build()`` makes from seed 0
+    (``memrt.auto`` at ``budget`` first, unless None), and memrt's plan for it (None without a budget)."""
+    import memrt
+    from memrt.memory.cache import PlanCache
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = build()
+    if budget is not None:
+        memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
+    f = torch.compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    for _ in range(steps):
+        loss(f).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m) if budget is not None else None
+
+
 def hf_partition_check(out_path: str, fraction: float) -> None:
     """transformers' Llama (SDPA attention, no dropout, untied head) compiled whole: stock vs memrt.auto at the
     budget ``fraction`` of the way from memrt's floor to its keep-all peak (read from an uncompiled probe's plan),
@@ -311,22 +331,11 @@ def hf_partition_check(out_path: str, fraction: float) -> None:
     del probe
     budget = int(low + fraction * (high - low))
 
-    def run(planned: bool) -> tuple[dict, Any]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        m = LlamaForCausalLM(cfg).train()
-        if planned:
-            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
-        f = torch.compile(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        for _ in range(6):
-            f(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m) if planned else None
+    def loss(f: Any) -> torch.Tensor:
+        return f(input_ids=ids, labels=ids).loss
 
-    ref, _ = run(False)
-    state, plan = run(True)
+    ref, _ = _compiled_adamw(lambda: LlamaForCausalLM(cfg).train(), loss, steps=6, lr=1e-3, budget=None)
+    state, plan = _compiled_adamw(lambda: LlamaForCausalLM(cfg).train(), loss, steps=6, lr=1e-3, budget=budget)
     with open(out_path, "w") as f:
         json.dump({"equal": all(torch.equal(state[k], ref[k]) for k in ref), "budget": budget,
                    "measured": plan.measured_peak_bytes, "compiled_budget": plan.compiled_budget}, f)
@@ -339,8 +348,6 @@ def cnn_partition_check(out_path: str, budget: int) -> None:
     import json
     import logging
 
-    import memrt
-    from memrt.memory.cache import PlanCache
     from memrt.testing.models import ConvNet
 
     torch.set_num_threads(1)
@@ -354,22 +361,11 @@ def cnn_partition_check(out_path: str, budget: int) -> None:
     x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(1))
 
-    def run(planned: bool) -> tuple[dict, Any]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        m = ConvNet(16, 4)
-        if planned:
-            memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
-        f = torch.compile(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        for _ in range(8):
-            torch.nn.functional.cross_entropy(f(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        return {k: v.clone() for k, v in m.state_dict().items()}, memrt.plan_of(m) if planned else None
+    def loss(f: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(f(x), y)
 
-    ref, _ = run(False)
-    state, plan = run(True)
+    ref, _ = _compiled_adamw(lambda: ConvNet(16, 4), loss, steps=8, lr=1e-2, budget=None)
+    state, plan = _compiled_adamw(lambda: ConvNet(16, 4), loss, steps=8, lr=1e-2, budget=budget)
     summary = {"equal": all(torch.equal(state[k], ref[k]) for k in ref), "measured": plan.measured_peak_bytes,
                "compiled_budget": plan.compiled_budget, "actions": [u.action for u in plan.units],
                "said": [m for m in said if "partitioned by torch" in m]}
