@@ -5,7 +5,7 @@ CPU, stock vs ``memrt.auto`` then ``torch.compile`` vs ``memrt.auto(torch.compil
 budget that forces recompute: state after 4 AdamW steps bitwise equal to compiled stock, measured peak
 of the compiled step <= budget. With dropout the plan recomputes some units and keeps others inside the
 graph; without, torch's partitioner runs the graph under the ratio memrt chose, and where that misses the
-budget (a CNN) memrt plans the units' actions instead.
+budget memrt plans the units' actions instead.
 Each block compiled instead (the model itself eager, torchtitan's way): memrt without a budget and at a
 budget, bitwise equal to the same per-block compiled model without memrt.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from memrt.memory.compiled import GRAPH_BUDGET_TRIES
+
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
@@ -28,9 +30,6 @@ BUDGET = 9_000_000
 """Between the model's every-unit-recomputed floor (~8.5 MB) and its keep-all peak (~13.5 MB)."""
 DROPOUT_BUDGET = 11_000_000
 """The same with dropout 0.1 (its masks are saved too): floor ~9.2 MB measured compiled."""
-CNN_BUDGET = 5_800_000
-"""ConvNet(16, 4) on 8 x 3 x 32 x 32: its eager profile puts keep-all at ~7.1 MiB and every unit recomputed at
-~4.1 MiB; compiled under the partitioner's budget for this (0.47, then 0.32) the step measures ~6.2-6.6 MB."""
 BLOCK_BUDGET = 12_000_000
 """Between block_compile_check's compiled floor (~9.9 MB measured) and its keep-all peak (~18 MB)."""
 
@@ -122,15 +121,17 @@ def test_partitioner_setting_given_back_when_dynamo_runs_the_forward_eagerly(tmp
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU code generation needs a C++ compiler (apt-get install g++)")
 def test_partitioner_miss_falls_back_to_the_units_plan(tmp_path):
-    """A CNN whose compiled step grows under the partitioner's budget: two tries, then the units' plan, which
-    fits; bitwise equal to compiled stock throughout (dynamo recompiles at each change of plan)."""
-    s = _fresh_process(tmp_path, f"cnn_partition_check({{out}}, {CNN_BUDGET})")
+    """A compiled GPT whose partitioned step misses the budget (torch's partitioner made to keep every activation):
+    at most two tries, then the units' plan, which fits; bitwise equal to compiled stock throughout (dynamo recompiles at
+    each change of plan)."""
+    s = _fresh_process(tmp_path, f"partition_miss_check({{out}}, {BUDGET})")
     assert s["equal"], "state differs from compiled stock"
-    assert len(s["said"]) == 2, s
-    assert "re-planning with that held back" in s["said"][0], s
-    assert "planning the units' actions instead" in s["said"][1], s
+    # each miss reported; a retry holds the overshoot back while the ratio left is worth a try, then the units
+    assert 1 <= len(s["said"]) <= GRAPH_BUDGET_TRIES, s
+    assert all("re-planning with that held back" in m for m in s["said"][:-1]), s
+    assert "planning the units' actions instead" in s["said"][-1], s
     assert s["compiled_budget"] is None and "recompute" in s["actions"], s
-    assert s["measured"] is not None and s["measured"] <= CNN_BUDGET, s
+    assert s["measured"] is not None and s["measured"] <= BUDGET, s
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

@@ -1,8 +1,10 @@
 """A real 2-rank gloo run records collectives and a training loop; `memrt report` merges the rank files.
 
 Each rank times its collectives twice in the same loop: with ``memrt.profiling.comm_log.timed`` (what
-the report shows) and independently with ``perf_counter`` around each call; the report's figures must
-agree with the independent ones within 10%.
+the report shows) and independently with ``perf_counter`` around each call. The report's figures must be
+the means of what the recorder timed, and the recorder's time of each call must hold the independent one
+and agree with it within 10% (a call the operating system preempts between the two clocks may differ:
+at most 2% of the calls).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def _rank_run(rank, world, out_dir):
     rec.configure(enabled=True, exact_timing=False)
     rec.set_meta(world_size=world, purpose="test_profiling_e2e")
     independent: dict[str, list[float]] = {}
+    recorded: dict[str, list[float]] = {}
 
     def both(op, tensor, call, *, late=False, **kw):
         if late and rank == 1:
@@ -114,8 +117,9 @@ def _rank_run(rank, world, out_dir):
             t0 = time.perf_counter()
             call()
             t1 = time.perf_counter()
-        independent.setdefault(f"{op}/{kw.get('nbytes', tensor.numel() * tensor.element_size())}", []).append(
-            t1 - t0)
+        key = f"{op}/{kw.get('nbytes', tensor.numel() * tensor.element_size())}"
+        independent.setdefault(key, []).append(t1 - t0)
+        recorded.setdefault(key, []).append(rec.comm[-1].seconds)
 
     for _ in range(ITERS):
         for nbytes in SIZES_BYTES:
@@ -157,7 +161,7 @@ def _rank_run(rank, world, out_dir):
     rec.write(out_dir, rank)
     marker.remove()
     param_bytes = sum({p.data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
-    return {"independent": independent, "fixed_at_start": fixed_at_start, "param_bytes": param_bytes}
+    return {"independent": independent, "recorded": recorded, "fixed_at_start": fixed_at_start, "param_bytes": param_bytes}
 
 
 @pytest.fixture(scope="module")
@@ -199,16 +203,22 @@ def test_two_ranks_report_tables_json_pngs_and_traces(run_dir, capsys):
             assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
     assert rows[("all_reduce", SIZES_BYTES[0])]["redop"] == "sum"
 
-    # within 10% of the independent perf_counter timing of the same calls, per rank and merged
+    # the report's figures are the means of the recorder's timings, per rank and merged over the ranks
     for rank, res in enumerate(results):
         for row in report["comm"]["per_rank"][str(rank)]:
-            ind = res["independent"][f"{row['op']}/{row['size_bytes']}"]
-            ref_us = sum(ind) / len(ind) * 1e6
-            assert abs(row["time_us"] - ref_us) <= 0.10 * ref_us, (rank, row["op"], row["size_bytes"],
-                                                                    row["time_us"], ref_us)
+            times = res["recorded"][f"{row['op']}/{row['size_bytes']}"]
+            assert row["time_us"] == pytest.approx(sum(times) / len(times) * 1e6, rel=1e-6), (rank, row)
     for (op, size), row in rows.items():
-        ref = [sum(v) / len(v) * 1e6 for v in (res["independent"][f"{op}/{size}"] for res in results)]
-        assert abs(row["time_us"] - sum(ref) / 2) <= 0.10 * sum(ref) / 2
+        means = [sum(v) / len(v) * 1e6 for v in (res["recorded"][f"{op}/{size}"] for res in results)]
+        assert row["time_us"] == pytest.approx(sum(means) / 2, rel=1e-6), row
+    # each call's recorded time holds the independent perf_counter timing of the same call and agrees with it
+    # within 10%, but for the few calls preempted between the two clocks
+    for rank, res in enumerate(results):
+        pairs = [(key, r, i) for key in res["independent"]
+                 for r, i in zip(res["recorded"][key], res["independent"][key], strict=True)]
+        assert all(r >= i for _, r, i in pairs), rank
+        apart = [(key, r * 1e6, i * 1e6) for key, r, i in pairs if r - i > 0.10 * i]
+        assert len(apart) <= 0.02 * len(pairs), (rank, len(pairs), apart)
 
     # stragglers: rank 1 sleeps before each collective of the loop (180 of 192 calls), so it enters last
     stragglers = {s["rank"]: s for s in report["comm"]["stragglers"]}
