@@ -269,6 +269,10 @@ class MemrtConfig:
     memrt's own (every collective of DDP without a hook, FSDP2, DeviceMesh and plain calls through memrt.comm).
     auto: on unless the job's CUDA tensors would run on NCCL (that path awaits a GPU run); off keeps torch's own
     group (memrt then reaches DDP through its comm hook only)."""
+    gc_freeze: bool = True
+    """MEMRT_GC_FREEZE: under MEMRT=1, freeze the Python objects alive after the first backward (:func:`gc.freeze`)
+    so that the collector's full collections scan only newer ones (memrt.activation.collector); off leaves the
+    collector alone."""
     cache_dir: str = field(default_factory=lambda: cache_dir())
     """Where memrt keeps what it measured once per machine (link and copy bandwidths): ``$XDG_CACHE_HOME/memrt``,
     else ``~/.cache/memrt``. Not a MEMRT_* variable: read from the environment with the settings."""
@@ -342,6 +346,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_STRICT", "strict", parse_bool),
     Setting("MEMRT_BALANCE", "balance", _choice(BALANCE_CHOICES), agree=True),
     Setting("MEMRT_PROCESS_GROUP", "process_group", _auto_or_bool, agree=True),
+    Setting("MEMRT_GC_FREEZE", "gc_freeze", parse_bool),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
 its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""

@@ -7,7 +7,8 @@ the job's own BALANCE_JOB_DELAY; no root needed); each test checks one promise:
   (set_epoch), partial last batches, DataLoader workers, and drop_last;
 - final parameters allclose to stock (rtol 1e-4) and the final loss within 1%;
 - equal ranks (both sleep the same per sample) and MEMRT_BALANCE=off: the stock split, parameters bitwise
-  equal to stock (the sleep changes no arithmetic);
+  equal to stock (the sleep changes no arithmetic); the objects alive after the first backward frozen for the
+  garbage collector on every rank, not with MEMRT_GC_FREEZE=off (set in the same run);
 - an iterable dataset: a warning, stock batches.
 """
 
@@ -56,7 +57,8 @@ def runs(tmp_path_factory):
     return {
         "stock": _launch(tmp, "stock", SLOW),
         "memrt": _launch(tmp, "memrt", {**SLOW, **on}, "--workers", "2"),
-        "off": _launch(tmp, "off", {**SLOW, **on, "MEMRT_BALANCE": "off", "MEMRT_REPORT_DIR": str(tmp / "r-off")}),
+        "off": _launch(tmp, "off", {**SLOW, **on, "MEMRT_BALANCE": "off", "MEMRT_GC_FREEZE": "off",
+                                    "MEMRT_REPORT_DIR": str(tmp / "r-off")}),
         "equal": _launch(tmp, "equal", {**on, **EQUAL, "MEMRT_REPORT_DIR": str(tmp / "r-equal")}),
         "iterable": _launch(tmp, "iterable", {**SLOW, **on, "MEMRT_REPORT_DIR": str(tmp / "r-it")}, "--iterable"),
         "stock_dl": _launch(tmp, "stock_dl", SLOW, "--drop-last", "--sampler-drop-last"),
@@ -70,9 +72,9 @@ def _unions(run: dict) -> list[list[int]]:
     return [sorted(x + y) for x, y in zip(a["steps"], b["steps"])]
 
 
-def _reports(run: dict, folder: str) -> list[dict]:
+def _reports(run: dict, folder: str, entry: str = "balance") -> list[dict]:
     paths = sorted((run["cwd"] / folder).glob("rank*.json"))
-    return [json.loads(p.read_text())["meta"]["activation"]["balance"] for p in paths]
+    return [json.loads(p.read_text())["meta"]["activation"][entry] for p in paths]
 
 
 def _allclose(a, b, rtol=1e-4, atol=1e-6) -> bool:
@@ -149,11 +151,15 @@ def test_equal_ranks_and_off_keep_the_stock_split_bitwise(runs, name):
     assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], runs["stock"]["params"]))
     folder = {"equal": "r-equal", "off": "r-off"}[name]
     reports = _reports(runs[name], folder)
+    frozen = _reports(runs[name], folder, "gc_frozen")
     if name == "off":
         assert reports == [None, None] and "memrt: balance" not in runs[name]["stderr"]
+        assert frozen == [None, None]  # MEMRT_GC_FREEZE=off
     else:
         assert all(not d["changed"] for d in reports[0]["decisions"]) and reports[0]["decisions"]
         assert "stock split kept" in runs[name]["stderr"]
+        # the job's set-up frozen after the first backward on every rank (torch alone holds ~10^5 objects)
+        assert all(f is not None and f["objects"] > 50_000 for f in frozen), frozen
 
 
 def test_iterable_dataset_stays_unbalanced_with_a_warning(runs):

@@ -344,11 +344,6 @@ def _wrap_ddp_init(original: Callable) -> Callable:
     return __init__
 
 
-def _balance_controller() -> Any:
-    sess = _session.current()
-    return None if sess is None else sess.balance
-
-
 def _wrap_dataloader_init(original: Callable) -> Callable:
     import inspect
 
@@ -411,10 +406,18 @@ def _wrap_shard_iter(original: Callable) -> Callable:
 def _wrap_backward(original: Callable) -> Callable:
     @functools.wraps(original)
     def backward(tensors, *args, **kwargs):
-        ctl = _balance_controller()
-        if ctl is not None:
-            ctl.observe_backward(tensors)
-        return original(tensors, *args, **kwargs)
+        sess = _session.current()
+        if sess is not None and sess.balance is not None:
+            sess.balance.observe_backward(tensors)
+        result = original(tensors, *args, **kwargs)
+        if sess is not None and sess.gc_frozen is None and not _session.is_off():
+            try:
+                from memrt.activation.collector import freeze_after_first_backward
+
+                freeze_after_first_backward(sess)
+            except Exception as exc:  # noqa: BLE001
+                _session.fail("freezing the set-up's objects for the garbage collector", exc)
+        return result
 
     return backward
 

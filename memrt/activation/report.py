@@ -224,6 +224,7 @@ def at_exit() -> None:
             "comm_hooks": sess.comm_hooks, "failures": _failures(sess), "device": device,
             "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
             "balance": sess.balance.report() if sess.balance is not None else None,
+            "gc_frozen": sess.gc_frozen,
         })
         if sess.report_problem is None:
             recorder.write(sess.report_dir, sess.rank)

@@ -83,6 +83,8 @@ class Session:
     """Why no report can be written (the default folder is not writable), found at start; None when it can."""
     balance: Any = None
     """The :class:`memrt.balance.auto.Controller` (MEMRT_BALANCE auto|on, more than one rank), else None."""
+    gc_frozen: dict[str, Any] | None = None
+    """What :mod:`memrt.activation.collector` froze after the first backward (objects, seconds); None before."""
 
 
 def remember_launch(launch: LaunchInfo) -> None:
