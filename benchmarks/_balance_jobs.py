@@ -241,10 +241,12 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
             cluster.__enter__()
         stock_sps, memrt_sps = [], []
         for i in range(repeats):
-            stock = _launch(nodes, {**base, **env}, tmp / "stock", quick, cluster, batch=batch)
             report = tmp / f"report{i}"
-            memrt = _launch(nodes, {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)},
-                            tmp / "memrt", quick, cluster, batch=batch)
+            arms = {"stock": {**base, **env},
+                    "memrt": {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)}}
+            runs = {arm: _launch(nodes, arms[arm], tmp / arm, quick, cluster, batch=batch)
+                    for arm in (("stock", "memrt") if i % 2 == 0 else ("memrt", "stock"))}  # neither always first
+            stock, memrt = runs["stock"], runs["memrt"]
             stock_sps.append(_samples_per_s(stock))
             memrt_sps.append(_samples_per_s(memrt))
     finally:
