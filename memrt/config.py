@@ -270,9 +270,9 @@ class MemrtConfig:
     auto: on unless the job's CUDA tensors would run on NCCL (that path awaits a GPU run); off keeps torch's own
     group (memrt then reaches DDP through its comm hook only)."""
     gc_freeze: bool = True
-    """MEMRT_GC_FREEZE: under MEMRT=1, freeze the Python objects alive after the first backward (:func:`gc.freeze`)
-    so that the collector's full collections scan only newer ones (memrt.activation.collector); off leaves the
-    collector alone."""
+    """MEMRT_GC_FREEZE: under MEMRT=1, freeze the Python objects of the job's set-up before its first training step
+    (:func:`gc.freeze`) so that the collector's full collections scan only newer ones (memrt.activation.collector);
+    off leaves the collector alone."""
     cache_dir: str = field(default_factory=lambda: cache_dir())
     """Where memrt keeps what it measured once per machine (link and copy bandwidths): ``$XDG_CACHE_HOME/memrt``,
     else ``~/.cache/memrt``. Not a MEMRT_* variable: read from the environment with the settings."""

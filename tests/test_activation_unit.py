@@ -350,20 +350,37 @@ def _gc_session(freeze: bool = True):
 def test_gc_freeze_leaves_the_collector_alone_when_off_or_turned_off_by_the_job():
     import gc
 
-    from memrt.activation.collector import freeze_after_first_backward
+    from memrt.activation.collector import freeze_setup
 
     before = gc.get_freeze_count()
     off = _gc_session(freeze=False)
-    freeze_after_first_backward(off)
-    assert off.gc_frozen is None
+    freeze_setup(off)
+    assert off.gc_frozen == {"objects": 0, "seconds": 0.0, "skipped": "MEMRT_GC_FREEZE=off"}
     sess = _gc_session()
     gc.disable()
     try:
-        freeze_after_first_backward(sess)
+        freeze_setup(sess)
     finally:
         gc.enable()
     assert sess.gc_frozen["objects"] == 0 and "turned the collector off" in sess.gc_frozen["skipped"]
     assert gc.get_freeze_count() == before
+
+
+def test_gc_freeze_failure_is_reported_and_leaves_the_collector_as_it_was(monkeypatch, caplog):
+    import gc
+
+    from memrt.activation.collector import freeze_setup
+
+    def broken() -> None:
+        raise RuntimeError("no freezing here")
+
+    monkeypatch.setattr(gc, "freeze", broken)
+    before = gc.get_freeze_count()
+    sess = _gc_session()
+    with caplog.at_level(logging.WARNING, logger="memrt.activation"):
+        freeze_setup(sess)
+    assert sess.gc_frozen["skipped"] == "RuntimeError: no freezing here" and sess.gc_frozen["objects"] == 0
+    assert "left as it was" in caplog.text and gc.get_freeze_count() == before and gc.isenabled()
 
 
 def test_gc_freeze_leaves_full_collections_only_the_newer_objects():
@@ -372,12 +389,12 @@ def test_gc_freeze_leaves_full_collections_only_the_newer_objects():
     code = textwrap.dedent("""
         import gc, json, sys, torch
         from types import SimpleNamespace
-        from memrt.activation.collector import freeze_after_first_backward
+        from memrt.activation.collector import freeze_setup
         sess = SimpleNamespace(gc_frozen=None, config=SimpleNamespace(gc_freeze=True))
         scanned = len(gc.get_objects())
-        freeze_after_first_backward(sess)
+        freeze_setup(sess)
         first = dict(sess.gc_frozen)
-        freeze_after_first_backward(sess)
+        freeze_setup(sess)
         print(json.dumps({"before": scanned, "after": len(gc.get_objects()), "frozen": first,
                           "again": sess.gc_frozen, "count": gc.get_freeze_count()}))
     """)

@@ -7,8 +7,8 @@ the job's own BALANCE_JOB_DELAY; no root needed); each test checks one promise:
   (set_epoch), partial last batches, DataLoader workers, and drop_last;
 - final parameters allclose to stock (rtol 1e-4) and the final loss within 1%;
 - equal ranks (both sleep the same per sample) and MEMRT_BALANCE=off: the stock split, parameters bitwise
-  equal to stock (the sleep changes no arithmetic); the objects alive after the first backward frozen for the
-  garbage collector on every rank, not with MEMRT_GC_FREEZE=off (set in the same run);
+  equal to stock (the sleep changes no arithmetic); the job's set-up frozen for Python's garbage collector on
+  every rank (also with DataLoader workers), and not in the ``off`` run, which also sets MEMRT_GC_FREEZE=off;
 - an iterable dataset: a warning, stock batches.
 """
 
@@ -154,12 +154,22 @@ def test_equal_ranks_and_off_keep_the_stock_split_bitwise(runs, name):
     frozen = _reports(runs[name], folder, "gc_frozen")
     if name == "off":
         assert reports == [None, None] and "memrt: balance" not in runs[name]["stderr"]
-        assert frozen == [None, None]  # MEMRT_GC_FREEZE=off
+        assert [f["skipped"] for f in frozen] == ["MEMRT_GC_FREEZE=off"] * 2, frozen
     else:
         assert all(not d["changed"] for d in reports[0]["decisions"]) and reports[0]["decisions"]
         assert "stock split kept" in runs[name]["stderr"]
-        # the job's set-up frozen after the first backward on every rank (torch alone holds ~10^5 objects)
-        assert all(f is not None and f["objects"] > 50_000 for f in frozen), frozen
+        _assert_set_up_frozen(frozen)
+
+
+def _assert_set_up_frozen(frozen: list) -> None:
+    """The job's set-up frozen for Python's garbage collector on every rank (torch alone makes ~10^5 objects)."""
+    assert len(frozen) == 2 and all(f["objects"] > 50_000 and "skipped" not in f for f in frozen), frozen
+
+
+def test_set_up_frozen_with_dataloader_workers(runs):
+    """The balanced run's DataLoader forks two workers per rank after the freeze; training and the report as
+    in every other run."""
+    _assert_set_up_frozen(_reports(runs["memrt"], "reports", "gc_frozen"))
 
 
 def test_iterable_dataset_stays_unbalanced_with_a_warning(runs):

@@ -1,13 +1,16 @@
-"""Python's garbage collector in an activated job: what is alive after the first backward is frozen.
+"""Python's garbage collector in an activated job: the job's set-up frozen before its first training step.
 
 A training process holds a few hundred thousand Python objects that live as long as it does: torch's modules,
-the tables dynamo builds when DDP imports it, the model, the optimizer, the data. Python's full collections scan
-every one of them (about 100 ms for 290,000 objects on a 2-core CPU machine), at moments set by each rank's own
-allocations; in a multi-rank job a rank inside one holds every other rank at the next collective. After the first
-``backward`` returns, memrt collects once and moves every live object to the collector's permanent generation
-(:func:`gc.freeze`): later collections scan only the objects made since, and stay short. Objects are still freed
-by reference counting; a frozen object that later becomes part of unreachable reference cycle is never
-collected, so what is frozen is the job's set-up, which lives as long as the job.
+the tables dynamo builds when DDP imports it, the model, the data. Python's full collections scan every one of
+them (about 100 ms for the ~290,000 objects of a DDP job on a 2-core CPU machine), at moments set by each rank's
+own allocations; in a multi-rank job a rank inside one holds every other rank at the next collective. Once the
+set-up is built (the first ``DistributedDataParallel(...)`` or FSDP2 ``fully_shard(...)`` has returned: the
+model exists, and DDP has imported dynamo), memrt collects once and moves every live object to the collector's
+permanent generation (:func:`gc.freeze`): later collections scan only the objects made since, and stay short.
+
+Frozen objects are still freed by reference counting; one that later becomes part of an unreachable reference
+cycle is never collected. No training step has begun at the freeze (no autograd graph, no batch through the
+model), so what is frozen is what the job built to train with.
 
 ``MEMRT_GC_FREEZE=off`` leaves the collector alone; so does a job that turned the collector off itself
 (``gc.disable()``: it collects on its own schedule).
@@ -20,23 +23,33 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["freeze_after_first_backward"]
+__all__ = ["freeze_setup"]
 
 logger = logging.getLogger("memrt.activation")
 
-
-def freeze_after_first_backward(sess: Any) -> None:
-    """Collect and freeze once per process, at the end of the first backward of a session that allows it;
-    what was frozen goes to ``sess.gc_frozen`` (the report)."""
-    if sess.gc_frozen is not None or not sess.config.gc_freeze:
+def freeze_setup(sess: Any) -> None:
+    """Collect and freeze once per session; what was frozen, or why nothing was, goes to ``sess.gc_frozen``
+    (the report). Never raises: a failure is reported and the collector left as it was."""
+    if sess.gc_frozen is not None:
         return
-    if not gc.isenabled():
-        sess.gc_frozen = {"objects": 0, "seconds": 0.0, "skipped": "the job turned the collector off"}
+    skipped = None
+    if not sess.config.gc_freeze:
+        skipped = "MEMRT_GC_FREEZE=off"
+    elif not gc.isenabled():
+        skipped = "the job turned the collector off (gc.disable())"
+    if skipped is not None:
+        sess.gc_frozen = {"objects": 0, "seconds": 0.0, "skipped": skipped}
         return
     start = time.perf_counter()
-    gc.collect()
-    gc.freeze()
+    try:
+        gc.collect()
+        gc.freeze()
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the job goes on without it
+        sess.gc_frozen = {"objects": 0, "seconds": 0.0, "skipped": f"{type(exc).__name__}: {exc}"}
+        logger.warning("memrt: freezing the job's set-up for Python's garbage collector failed (%s: %s); "
+                       "the collector is left as it was", type(exc).__name__, exc)
+        return
     seconds = time.perf_counter() - start
     sess.gc_frozen = {"objects": gc.get_freeze_count(), "seconds": round(seconds, 4)}
-    logger.info("memrt: froze %d objects alive after the first backward (collected in %.0f ms)",
+    logger.info("memrt: froze the %d objects of the job's set-up (collected in %.0f ms)",
                 sess.gc_frozen["objects"], seconds * 1e3)

@@ -9,8 +9,10 @@ to finish importing, then wraps, in place:
   job through memrt; not under ``MEMRT_COMM=off``), calls the original, compares the settings every rank must share (:mod:`memrt.agreement`: a mismatch exits 2
   on every rank), then begins the session (run id, topology, banner, report at exit).
 - ``DistributedDataParallel.__init__``: after the original, plans memory for the wrapped module
-  (``memrt.auto``) and, when every rank of the DDP group is ready, registers memrt.comm's gradient hook.
-- ``fully_shard`` (FSDP2): begins the session and records the sharded modules.
+  (``memrt.auto``), registers memrt.comm's gradient hook when every rank of the DDP group is ready, and
+  freezes the job's set-up for Python's garbage collector (:mod:`memrt.activation.collector`).
+- ``fully_shard`` (FSDP2): begins the session, records the sharded modules and, at the first, freezes the
+  job's set-up.
 - ``DataLoader.__init__``: a DataLoader over a ``DistributedSampler`` (or accelerate's ``BatchSamplerShard``)
   gets memrt's share sampler (:mod:`memrt.balance.loader`), which yields the stock batches until the ranks
   agree on balanced shares (``MEMRT_BALANCE``, :mod:`memrt.balance.auto`); the DataLoader iterator's
@@ -337,9 +339,12 @@ def _wrap_ddp_init(original: Callable) -> Callable:
         sess = _ensure_session()
         original(self, module, *args, **kwargs)
         if sess is not None:
+            from memrt.activation.collector import freeze_setup
             from memrt.activation.wiring import setup_ddp
 
             setup_ddp(sess, self)
+            if not _session.is_off():
+                freeze_setup(sess)
 
     return __init__
 
@@ -409,15 +414,7 @@ def _wrap_backward(original: Callable) -> Callable:
         sess = _session.current()
         if sess is not None and sess.balance is not None:
             sess.balance.observe_backward(tensors)
-        result = original(tensors, *args, **kwargs)
-        if sess is not None and sess.gc_frozen is None and not _session.is_off():
-            try:
-                from memrt.activation.collector import freeze_after_first_backward
-
-                freeze_after_first_backward(sess)
-            except Exception as exc:  # noqa: BLE001
-                _session.fail("freezing the set-up's objects for the garbage collector", exc)
-        return result
+        return original(tensors, *args, **kwargs)
 
     return backward
 
@@ -431,9 +428,11 @@ def _wrap_fully_shard(original: Callable) -> Callable:
         result = original(module, *args, **kwargs)
         if sess is not None and not _session.is_off():
             try:
+                from memrt.activation.collector import freeze_setup
                 from memrt.activation.wiring import note_fully_shard
 
                 note_fully_shard(sess, module)
+                freeze_setup(sess)
             except Exception as exc:  # noqa: BLE001
                 _session.fail("FSDP2 set-up", exc)
         return result

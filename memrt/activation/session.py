@@ -84,7 +84,7 @@ class Session:
     balance: Any = None
     """The :class:`memrt.balance.auto.Controller` (MEMRT_BALANCE auto|on, more than one rank), else None."""
     gc_frozen: dict[str, Any] | None = None
-    """What :mod:`memrt.activation.collector` froze after the first backward (objects, seconds); None before."""
+    """What :mod:`memrt.activation.collector` froze (objects, seconds) or why it did not (skipped); None before."""
 
 
 def remember_launch(launch: LaunchInfo) -> None:
