@@ -187,9 +187,9 @@ def _samples_per_s(ranks: list[dict]) -> float:
 
 def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, batch: int = BATCH,
             cap: str = "compute") -> dict[str, Any]:
-    """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 alternately
-    ``repeats`` times (medians reported); returns the row. ``cap``: CAP_MODES (``compute`` where only whole
-    processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
+    """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 ``repeats``
+    times each, taking turns going first (medians reported); returns the row. ``cap``: CAP_MODES (``compute``
+    where only whole processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
     if cap not in CAP_MODES:
         raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_MODES}")
     import statistics
