@@ -27,6 +27,7 @@ __all__ = ["freeze_setup"]
 
 logger = logging.getLogger("memrt.activation")
 
+
 def freeze_setup(sess: Any) -> None:
     """Collect and freeze once per session; what was frozen, or why nothing was, goes to ``sess.gc_frozen``
     (the report). Never raises: a failure is reported and the collector left as it was."""
