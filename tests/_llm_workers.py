@@ -197,6 +197,15 @@ def _gpt_adamw_steps(model: Any, forward: Any, cfg: Any, steps: int) -> None:
         opt.zero_grad()
 
 
+def _untied_gpt(cfg: Any) -> Any:
+    """memrt's test GPT with its head's weight untied from the token embedding (see docs: tied + graph break)."""
+    from memrt.testing.models import GPT
+
+    m = GPT(cfg)
+    m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())
+    return m
+
+
 def compile_check(out_path: str, budget: int, dropout: float = 0.0) -> None:
     """Compiled stock vs compiled + memrt (auto then compile, and auto of the compiled model), 4 AdamW steps
     (step 1 profiles, step 2 recompiles under the plan, step 3 is certified when step 4 begins), the GPT's
@@ -208,20 +217,20 @@ def compile_check(out_path: str, budget: int, dropout: float = 0.0) -> None:
     """
     import json
 
+    import torch._functorch.config as fconfig
+
     import memrt
     from memrt.memory.cache import PlanCache
-    from memrt.testing.models import GPT, GPTConfig
+    from memrt.testing.models import GPTConfig
 
     torch.set_num_threads(1)
-    import torch._functorch.config as fconfig
 
     cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=2, d_model=64, dropout=dropout)
 
     def run(mode: str) -> tuple[dict, Any, Any]:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        m = GPT(cfg)
-        m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied (see docs: tied + graph break)
+        m = _untied_gpt(cfg)
         if mode == "auto_then_compile":
             memrt.auto(m, budget=budget, offload="none", cache=PlanCache())
         f = torch.compile(m)
@@ -354,7 +363,7 @@ def partition_miss_check(out_path: str, budget: int) -> None:
     import logging
 
     import memrt.memory.instrument as instrument
-    from memrt.testing.models import GPT, GPTConfig, gpt_batch, lm_loss
+    from memrt.testing.models import GPTConfig, gpt_batch, lm_loss
 
     torch.set_num_threads(1)
     instrument.patch_partitioner = lambda inst: None
@@ -368,16 +377,11 @@ def partition_miss_check(out_path: str, budget: int) -> None:
     cfg = GPTConfig(vocab_size=128, seq_len=128, n_layer=2, n_head=2, d_model=64, dropout=0.0)
     x, y = gpt_batch(cfg, 8, seed=0)
 
-    def build() -> Any:
-        m = GPT(cfg)
-        m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied (see docs: tied + graph break)
-        return m
-
     def loss(f: Any) -> torch.Tensor:
         return lm_loss(f(x), y)
 
-    ref, _ = _compiled_adamw(build, loss, steps=6, lr=1e-2, budget=None)
-    state, plan = _compiled_adamw(build, loss, steps=6, lr=1e-2, budget=budget)
+    ref, _ = _compiled_adamw(lambda: _untied_gpt(cfg), loss, steps=6, lr=1e-2, budget=None)
+    state, plan = _compiled_adamw(lambda: _untied_gpt(cfg), loss, steps=6, lr=1e-2, budget=budget)
     summary = {"equal": all(torch.equal(state[k], ref[k]) for k in ref), "measured": plan.measured_peak_bytes,
                "compiled_budget": plan.compiled_budget, "actions": [u.action for u in plan.units],
                "said": [m for m in said if "partitioned by torch" in m]}

@@ -325,8 +325,7 @@ class _State:
         if self._partitioned(profile):
             p = graph_budget_plan(scale_profile(profile, scale), self.budget, margin)
             if p is not None:
-                self.partitioner_tries[self.key] = self.partitioner_tries.get(self.key, 0) + 1
-                self._use_plan(p, profile, tries=tries, scale=scale)
+                self._use_partitioner_plan(p, profile, tries=tries, scale=scale)
                 return
         try:
             p = make_plan(scale_profile(profile, scale), self.budget, margin_bytes=margin, offload=self.offload,
@@ -393,6 +392,11 @@ class _State:
         p.floor_trial = True
         self._use_plan(p, profile, tries=MAX_TRIES, scale=1.0)
 
+    def _use_partitioner_plan(self, p: Plan, profile: Profile, *, tries: int, scale: float) -> None:
+        """:meth:`_use_plan` for a plan of torch's partitioner (:func:`graph_budget_plan`), counted per key."""
+        self.partitioner_tries[self.key] = self.partitioner_tries.get(self.key, 0) + 1
+        self._use_plan(p, profile, tries=tries, scale=scale)
+
     def _use_plan(self, p: Plan, profile: Profile, *, tries: int, scale: float) -> None:
         p.tries = tries
         p.shape_scale = scale
@@ -428,8 +432,7 @@ class _State:
             logger.warning("memrt: the compiled step partitioned by torch under activation_memory_budget %s "
                            "measured %d bytes, %d over the budget; %s", p.compiled_budget, measured, over, then)
             if retry is not None:
-                self.partitioner_tries[self.key] = self.partitioner_tries.get(self.key, 0) + 1
-                self._use_plan(retry, entry.profile, tries=p.tries + 1, scale=p.shape_scale)
+                self._use_partitioner_plan(retry, entry.profile, tries=p.tries + 1, scale=p.shape_scale)
             else:
                 self.unpartitioned.add(self.key)
                 self._make_plan(entry.profile, margin=0, tries=1, scale=p.shape_scale)
