@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/balance_job.py --steps 40 --out run
     MEMRT=1 torchrun --standalone --nproc-per-node 2 benchmarks/balance_job.py --steps 40 --out run
     BALANCE_JOB_DELAY="1=0.002" MEMRT=1 torchrun ...   # rank 1 sleeps 2 ms per sample in forward (no root)
+    BALANCE_JOB_LOAD_DELAY="1=0.002" ...               # ... in its dataset's __getitem__ (a slow input pipeline)
 
 The pattern of the torchrun examples: ``DataLoader(ds, batch_size=b, sampler=DistributedSampler(ds))``,
 ``sampler.set_epoch(epoch)`` every epoch, a mean-reduced loss, ``loss.backward()``, ``opt.step()``. Each rank
@@ -29,15 +30,18 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 class Points(Dataset):
     """Random classification points; each item carries its own index so the job can record it."""
 
-    def __init__(self, n: int, features: int, classes: int) -> None:
+    def __init__(self, n: int, features: int, classes: int, delay_s: float = 0.0) -> None:
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, features, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
+        self.delay_s = delay_s
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return self.x[i], self.y[i], i
 
 
@@ -52,9 +56,9 @@ class PointStream(IterableDataset):
             yield self.points[i]
 
 
-def _delay(rank: int) -> float:
-    """Seconds of sleep per sample on this rank from BALANCE_JOB_DELAY ("1=0.002,3=0.004")."""
-    for item in filter(None, os.environ.get("BALANCE_JOB_DELAY", "").split(",")):
+def _delay(rank: int, variable: str = "BALANCE_JOB_DELAY") -> float:
+    """Seconds of sleep per sample on this rank from ``variable`` ("1=0.002,3=0.004")."""
+    for item in filter(None, os.environ.get(variable, "").split(",")):
         r, _, seconds = item.partition("=")
         if int(r) == rank:
             return float(seconds)
@@ -97,7 +101,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     classes = 10
-    data = Points(args.samples, args.features, classes)
+    data = Points(args.samples, args.features, classes, _delay(rank, "BALANCE_JOB_LOAD_DELAY"))
     model = make_model(args.features, args.width, args.depth, classes)
     delay = _delay(rank)
     if delay:

@@ -3,6 +3,7 @@
 One fixture runs every launch (torchrun, 2 ranks, rank 1 slowed by a sleep per sample in forward set by
 the job's own BALANCE_JOB_DELAY; no root needed); each test checks one promise:
 - the shares follow the measured speeds, and the decision is in rank 0's stderr and in both rank reports;
+  a rank slowed between steps (its dataset sleeps per sample, no DataLoader workers) is measured slow too;
 - every step's sample set (the union over ranks) and the steps per epoch equal stock's, across epochs
   (set_epoch), partial last batches, DataLoader workers, and drop_last;
 - final parameters allclose to stock (rtol 1e-4) and the final loss within 1%;
@@ -59,6 +60,8 @@ def runs(tmp_path_factory):
         "memrt": _launch(tmp, "memrt", {**SLOW, **on}, "--workers", "2"),
         "off": _launch(tmp, "off", {**SLOW, **on, "MEMRT_BALANCE": "off", "MEMRT_GC_FREEZE": "off",
                                     "MEMRT_REPORT_DIR": str(tmp / "r-off")}),
+        "slow_loading": _launch(tmp, "slow_loading", {**on, "BALANCE_JOB_LOAD_DELAY": "1=0.0006",
+                                                      "MEMRT_REPORT_DIR": str(tmp / "r-load")}),
         "equal": _launch(tmp, "equal", {**on, **EQUAL, "MEMRT_REPORT_DIR": str(tmp / "r-equal")}),
         "iterable": _launch(tmp, "iterable", {**SLOW, **on, "MEMRT_REPORT_DIR": str(tmp / "r-it")}, "--iterable"),
         "stock_dl": _launch(tmp, "stock_dl", SLOW, "--drop-last", "--sampler-drop-last"),
@@ -84,7 +87,7 @@ def _allclose(a, b, rtol=1e-4, atol=1e-6) -> bool:
 
 
 def test_shares_follow_the_measured_speeds(runs):
-    from memrt.balance.shares import affine_shares
+    from memrt.balance.shares import decide_shares
 
     r0, r1 = runs["memrt"]["ranks"]
     assert len(set(r0["sizes"])) > 1, "the slow rank's job was never balanced"
@@ -95,12 +98,20 @@ def test_shares_follow_the_measured_speeds(runs):
     changed = [d for d in reports[0]["decisions"] if d["changed"]]
     assert changed and changed[0]["reduction"] == "mean"
     d = changed[0]
-    models = [tuple(m) for m in d["step_models"]]  # each rank's compute seconds per step: a + c * samples
-    assert tuple(d["shares"]) == affine_shares(32, models, d["max_samples"]).per_rank
-    assert models[1][1] > models[0][1]  # the slowed rank needs more seconds per sample
+    # shares in proportion to the speeds measured at the shares in force
+    assert tuple(d["shares"]) == decide_shares(32, d["samples_per_s"], d["max_samples"]).per_rank
     assert d["samples_per_s"][0] > d["samples_per_s"][1] and d["predicted_gain"] > 0.05
     assert reports[0]["shares"] == changed[-1]["shares"]
     assert "memrt: balance: step" in runs["memrt"]["stderr"] and "memrt: balance (auto): shares" in runs["memrt"]["stderr"]
+
+
+def test_slow_loading_between_steps_is_measured(runs):
+    """The time between steps (here a rank's DataLoader drawing its batch) is on the synchronous step's
+    critical path: the rank whose dataset sleeps per sample gets fewer samples."""
+    r0, r1 = runs["slow_loading"]["ranks"]
+    assert r0["sizes"][-5] > 16 > r1["sizes"][-5], (r0["sizes"], r1["sizes"])
+    d = next(d for d in _reports(runs["slow_loading"], "r-load")[0]["decisions"] if d["changed"])
+    assert d["samples_per_s"][0] > 1.2 * d["samples_per_s"][1], d
 
 
 @pytest.mark.parametrize("memrt,stock", [("memrt", "stock"), ("memrt_dl", "stock_dl")])

@@ -10,7 +10,6 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from memrt.balance.auto import AutoBalanceConfig, Controller
 from memrt.balance.loader import ShareSampler, _AccelerateSource, _DistributedSource, unbalanced_reason
 from memrt.balance.reduction import classify_loss
-from memrt.balance.shares import affine_shares, affine_step_seconds, fit_step_time
 
 
 def _stock(n, world, b, shuffle, sampler_drop, loader_drop, epoch=0):
@@ -154,22 +153,6 @@ def test_loss_reduction_is_read_from_the_autograd_graph():
     assert classify_loss(ce(x, y) + ce(x, y, reduction="sum")) == "unknown"
     assert classify_loss(x.sum(0)) == "unknown"  # not a scalar
     assert classify_loss((x.exp() * 2).log().max()) == "unknown"
-
-
-def test_step_time_model_and_affine_shares():
-    a, c = fit_step_time([(8, 0.010), (8, 0.010), (16, 0.018)])
-    assert a == pytest.approx(0.002) and c == pytest.approx(0.001)
-    assert fit_step_time([(8, 0.008)]) == (0.0, 0.001)
-    assert fit_step_time([]) is None
-    equal = affine_shares(32, [(0.001, 0.0005)] * 2)
-    assert equal.per_rank == (16, 16)
-    fast_slow = affine_shares(30, [(0.0, 0.001), (0.0, 0.002)])
-    assert fast_slow.per_rank == (20, 10)
-    # a fixed cost on the fast rank moves samples to the slow one
-    assert affine_shares(30, [(0.005, 0.001), (0.0, 0.002)]).per_rank[1] > 10
-    bounded = affine_shares(30, [(0.0, 0.001), (0.0, 0.002)], [15, None])
-    assert bounded.per_rank == (15, 15)
-    assert affine_step_seconds(fast_slow, [(0.0, 0.001), (0.0, 0.002)]) == pytest.approx(0.02)
 
 
 class _Store:

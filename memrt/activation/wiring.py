@@ -194,7 +194,7 @@ def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, 
     ddp.register_comm_hook(BalanceHookState(controller=ctl, inner_hook=inner_hook, inner_state=inner_state,
                                             is_timer=is_timer), balanced_hook)
     if is_timer:
-        ctl.attach_timer(ddp.module)
+        ctl.attach_timer(ddp)
         budget = sess.config.budget
         if budget is not None:
             ctl.memory_bound = _plan_bound(ddp.module)

@@ -4,21 +4,28 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
 
 1. owns the :class:`~memrt.balance.loader.ShareSampler` of every DataLoader the job built over a
    ``DistributedSampler`` (or accelerate's shard), which yield the stock batches until told otherwise;
-2. times every training step of the DDP model it is attached to: from the wrapped module's first forward
-   after a gradient all-reduce (after DDP's own pre-forward, which may wait for peers) to the last gradient
-   bucket handed to the comm hook, minus the time spent inside the hooks — compute only, never the wait
-   for slower ranks; on CUDA with events recorded on the current stream, read once they have completed;
+2. times every training step of the DDP model it is attached to, the rank's own work only, never the wait
+   for slower ranks: on the host, from the moment the previous step's gradient all-reduce completed (what
+   the rank does between steps — copying the reduced gradients back, the optimizer step, drawing the next
+   batch — is on the synchronous step's critical path) to the last gradient bucket handed to the comm hook,
+   less the time inside the hooks, in DDP's pre-forward (a buffer broadcast may wait for peers) and in
+   memrt's own exchanges; on CUDA from the wrapped module's first forward after the all-reduce to the last
+   bucket, with events recorded on the current stream, read once they have completed;
 3. at a few steps (after ``first_check`` steps, ``refine_after`` steps after every change, then every
    ``recheck_every`` steps) exchanges, through the process group's store (no device collective), each rank's
    samples/s, memory bound, the reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders'
    draw positions; every rank then runs the same rule on the same numbers
-   (:func:`memrt.balance.shares.decide_shares`) and schedules the new shares from the first batch no rank
-   has drawn yet (aligned to gradient-accumulation windows);
+   (:func:`memrt.balance.shares.decide_shares`: shares in proportion to the samples/s measured at the
+   shares in force) and schedules the new shares from the first batch no rank has drawn yet (aligned to
+   gradient-accumulation windows). Repeated, the rule settles where the ranks' step times are equal, per-step
+   fixed costs included: a rank with a fixed cost is slower per sample at a smaller share, and the next
+   decision gives it fewer samples still;
 4. gives the comm hook (:func:`balanced_hook`) the factor of the batch in this step: ``n_r * W / B`` for a
    mean-reduced loss under balanced shares, exactly 1 (no arithmetic at all) under stock shares.
 
-Hysteresis: shares change only when the predicted step time drops by ``min_gain`` and, to leave the stock
-split, when the fastest rank is ``min_speed_ratio`` x the slowest (``MEMRT_BALANCE=on``: no thresholds,
+Hysteresis: the stock split is left only when the predicted step time drops by ``min_gain``, the fastest
+rank is ``min_speed_ratio`` x the slowest and the next window confirms it; a balanced split moves when the
+predicted step time drops by ``refine_gain`` (``MEMRT_BALANCE=on``: no thresholds,
 and an unknown loss reduction is taken to be a mean). Decisions go to rank 0's stderr and the report.
 """
 
@@ -26,8 +33,8 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import weakref
-from collections import deque
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,8 +43,7 @@ from typing import Any
 
 from memrt.balance.loader import ShareSampler
 from memrt.balance.reduction import MEAN, SUM, UNKNOWN, classify_loss, describe_loss
-from memrt.balance.shares import (Shares, affine_shares, affine_step_seconds, fit_step_time,
-                                  uniform_shares)
+from memrt.balance.shares import Shares, decide_shares, predicted_step_seconds, uniform_shares
 
 __all__ = ["AutoBalanceConfig", "Controller", "BalanceHookState", "balanced_hook"]
 
@@ -54,12 +60,17 @@ class AutoBalanceConfig:
     """Steps not timed after the start and after every share change (first calls, new plans)."""
     first_check: int = 8
     """Step count (gradient all-reduces) at the first exchange."""
-    refine_after: int = 6
-    """Steps after a change until the next exchange (shares follow speeds measured at the new sizes)."""
+    refine_after: int = 10
+    """Steps after a change until the next exchange (shares follow speeds measured at the new sizes; the
+    window holds the steps after ``warmup_steps`` and the batches drawn ahead of the change)."""
     recheck_every: int = 50
     """Steps between exchanges otherwise."""
     min_gain: float = 0.05
-    """auto: adopt shares only when the predicted step time drops by this fraction."""
+    """auto: leave the stock split only when the predicted step time drops by this fraction."""
+    refine_gain: float = 0.03
+    """auto: move from one balanced split to another when the predicted step time drops by this fraction (the
+    speeds behind the first split were measured at the stock sizes; where ranks have per-step fixed costs,
+    their speeds at the new sizes differ, and the next decision refines the split)."""
     min_speed_ratio: float = 1.10
     """auto: leave the stock split only when the fastest rank is this many times the slowest."""
     exchange_timeout_s: float = 900.0
@@ -70,8 +81,9 @@ class AutoBalanceConfig:
             raise ValueError(f"mode={self.mode!r} is not valid: expected 'auto' or 'on' (MEMRT_BALANCE)")
         if self.first_check <= self.warmup_steps:
             raise ValueError(f"first_check={self.first_check} must exceed warmup_steps={self.warmup_steps}")
-        if not 0.0 <= self.min_gain < 1.0:
-            raise ValueError(f"min_gain={self.min_gain} is not valid: expected a fraction in [0, 1)")
+        for name in ("min_gain", "refine_gain"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} is not valid: expected a fraction in [0, 1)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,7 +112,8 @@ def balanced_hook(state: BalanceHookState, bucket):  # DDP checks annotations: k
     if factor != 1.0:
         bucket.buffer().mul_(factor)
     try:
-        return state.inner_hook(state.inner_state, bucket)
+        future = state.inner_hook(state.inner_state, bucket)
+        return future.then(ctl.reduction_done) if state.is_timer and not ctl.cuda else future
     finally:
         if state.is_timer:
             ctl.hook_seconds += time.perf_counter() - start
@@ -132,11 +145,16 @@ class Controller:
         self._in_step = False
         self._fwd_start: Any = None
         self._last_bucket: Any = None
-        self._cuda = False
+        self._reduced_at: float | None = None
+        """Host: perf_counter() when the timed model's latest bucket reduction completed (a comm thread sets it)."""
+        self._origin: float | None = None
+        """Host: start of the current step's window (the previous step's reduction done), None before one."""
+        self._excluded = 0.0
+        """Host: seconds inside the current window that are waits, not work (pre-forward, exchanges)."""
+        self._outer_at: float | None = None
+        self.cuda = False
         self._pending_events: list[tuple[Any, Any, int, float]] = []
         self._window: list[_Timing] = []
-        self._by_size: dict[int, deque[float]] = {}
-        """Local samples per step -> recent compute seconds of such steps (for the step-time model)."""
         self._hook_before_last = 0.0
         self._skip = config.warmup_steps
         self._next_check = config.first_check
@@ -164,17 +182,26 @@ class Controller:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     # ---------------------------------------------------------------------------------------- timing
-    def attach_timer(self, module: Any) -> None:
-        """Time the steps of ``module`` (the DDP model's wrapped module)."""
+    def attach_timer(self, ddp: Any) -> None:
+        """Time the steps of ``ddp`` (a DistributedDataParallel model)."""
         if self._timed:
             return
         self._timed = True
-        param = next(iter(module.parameters()), None)
-        self._cuda = param is not None and param.device.type == "cuda"
-        module.register_forward_pre_hook(self._forward_pre_hook)
+        param = next(iter(ddp.module.parameters()), None)
+        self.cuda = param is not None and param.device.type == "cuda"
+        ddp.register_forward_pre_hook(self._outer_pre_hook)
+        ddp.module.register_forward_pre_hook(self._forward_pre_hook)
+
+    def reduction_done(self, future: Any) -> Any:
+        """Chained after every bucket's reduction of the timed model (host): note when it completed."""
+        self._reduced_at = time.perf_counter()
+        return future.value()
+
+    def _outer_pre_hook(self, _module: Any, _args: Any) -> None:
+        self._outer_at = time.perf_counter()
 
     def _now(self) -> Any:
-        if self._cuda:
+        if self.cuda:
             import torch
 
             event = torch.cuda.Event(enable_timing=True)
@@ -185,6 +212,8 @@ class Controller:
     def _forward_pre_hook(self, module: Any, _args: Any) -> None:
         import torch
 
+        entered = time.perf_counter()
+        outer, self._outer_at = self._outer_at, None
         if not (module.training and torch.is_grad_enabled()):
             return
         if self._in_step:  # first training forward after a gradient all-reduce
@@ -192,6 +221,9 @@ class Controller:
             self._close_step()
             if self.enabled and self.steps >= self._next_check:
                 self._check()
+                self._excluded += time.perf_counter() - entered
+        if outer is not None:  # DDP's pre-forward: its buffer broadcast may wait for peers
+            self._excluded += entered - outer
         if self._fwd_start is None:
             self._fwd_start = self._now()
             self.hook_seconds = self._hook_before_last = 0.0
@@ -231,18 +263,21 @@ class Controller:
 
     def _close_step(self) -> None:
         start, end, n = self._fwd_start, self._last_bucket, self._step_samples
-        hooks = self._hook_before_last
+        hooks, excluded = self._hook_before_last, 0.0
+        if not self.cuda and self._origin is not None:
+            start, excluded = self._origin, self._excluded
+        self._origin, self._excluded = self._reduced_at, 0.0
         self._fwd_start = self._last_bucket = None
         if start is None or end is None or n <= 0:
             return
         if self._skip > 0:
             self._skip -= 1
             return
-        if self._cuda:
+        if self.cuda:
             self._pending_events.append((start, end, n, hooks))
             self._resolve_events()
         else:
-            self._add(n, max(1e-9, end - start - hooks))
+            self._add(n, max(1e-9, end - start - hooks - excluded))
 
     def _resolve_events(self, wait: bool = False) -> None:
         keep = []
@@ -257,21 +292,15 @@ class Controller:
 
     def _add(self, n: int, seconds: float) -> None:
         self._window.append(_Timing(samples=n, seconds=seconds))
-        self._by_size.setdefault(n, deque(maxlen=8)).append(seconds)
-        while len(self._by_size) > 3:  # the three most recent sizes describe the current speed
-            self._by_size.pop(next(iter(self._by_size)))
-        self._by_size[n] = self._by_size.pop(n)  # most recent last
-
-    def step_model(self) -> tuple[float, float] | None:
-        """(a, c) of this rank's compute time per step, a + c * samples, from recent steps."""
-        points = [(n, t) for n, ts in self._by_size.items() for t in ts]
-        return fit_step_time(points)
 
     def samples_per_s(self) -> float | None:
-        if self._cuda:
+        """The median samples/s of this window's steps (all at the shares in force: the window starts after
+        a change has taken effect); a step that also ran something else, an evaluation or a checkpoint, does
+        not move it. None before one."""
+        if self.cuda:
             self._resolve_events(wait=True)
-        seconds = sum(t.seconds for t in self._window)
-        return sum(t.samples for t in self._window) / seconds if seconds > 0 else None
+        rates = [t.samples / t.seconds for t in self._window if t.seconds > 0]
+        return statistics.median(rates) if rates else None
 
     # ----------------------------------------------------------------------------------- loss kinds
     def observe_backward(self, tensors: Any) -> None:
@@ -295,7 +324,7 @@ class Controller:
                 self._warn_once(f"memory bound unavailable ({exc}): shares are not bounded by the budget")
         kinds = self.reductions or {UNKNOWN}
         return {
-            "sps": self.samples_per_s(), "model": self.step_model(), "bound": bound,
+            "sps": self.samples_per_s(), "bound": bound,
             "reduction": kinds.pop() if len(kinds) == 1 else UNKNOWN, "root": self._unknown_root,
             "accum": self._accum,
             "loaders": [[-2, 0, 0, False, 0] if s is None else [s.iteration, s.drawn, s.consumed, s.trained,
@@ -343,13 +372,11 @@ class Controller:
     def _decide(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         """The same decision on every rank from the same gathered figures."""
         speeds = [p["sps"] for p in everyone]
-        models = [tuple(p["model"]) if p["model"] else None for p in everyone]
         bounds = [p["bound"] for p in everyone]
-        out: dict[str, Any] = {"step": self.steps, "samples_per_s": speeds, "step_models": models,
-                               "max_samples": bounds,
+        out: dict[str, Any] = {"step": self.steps, "samples_per_s": speeds, "max_samples": bounds,
                                "changed": False, "shares": None, "predicted_gain": 0.0, "reason": ""}
         kinds = {p["reduction"] for p in everyone}
-        if any(s is None or s <= 0 for s in speeds) or any(m is None for m in models):
+        if any(s is None or s <= 0 for s in speeds):
             out["reason"] = "speeds not measured yet"
             return out
         counts = {len(p["loaders"]) for p in everyone}
@@ -393,15 +420,16 @@ class Controller:
             current_shares = (uniform_shares(B, self.world) if current is None
                               else Shares(per_rank=tuple(current), global_batch=B))
             try:
-                proposal = affine_shares(B, models, bounds)
+                proposal = decide_shares(B, speeds, bounds)
             except ValueError as exc:
                 out["reason"] = str(exc)
                 continue
-            gain = 1.0 - affine_step_seconds(proposal, models) / affine_step_seconds(current_shares, models)
+            gain = 1.0 - predicted_step_seconds(proposal, speeds) / predicted_step_seconds(current_shares, speeds)
             over = any(m is not None and b > m for b, m in zip(current_shares.per_rank, bounds))
-            min_gain = 0.0 if self.config.mode == "on" else self.config.min_gain
-            if current is not None:  # moving between balanced splits: twice the gain (no flapping on noise)
-                min_gain *= 2
+            if self.config.mode == "on":
+                min_gain = 0.0
+            else:
+                min_gain = self.config.min_gain if current is None else self.config.refine_gain
             leaving_stock = current is None
             adopt = proposal != current_shares and (over or (gain > min_gain and (pays or not leaving_stock)))
             if adopt and leaving_stock and not over and self.config.mode == "auto" and not self._confirmed:

@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Shares", "affine_shares", "affine_step_seconds", "decide_shares", "fit_step_time",
-           "predicted_step_seconds", "gather_capabilities", "uniform_shares"]
+__all__ = ["Shares", "decide_shares", "predicted_step_seconds", "gather_capabilities", "uniform_shares"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -147,45 +146,3 @@ def gather_capabilities(samples_per_s: float, max_samples: int | None, group=Non
     dist.all_gather(out, mine, group=group)
     rows = [t.cpu().tolist() for t in out]
     return [(s, None if m < 0 else int(m)) for s, m in rows]
-
-
-def fit_step_time(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
-    """(a seconds, c seconds per sample) of ``step time = a + c * n`` from (n, mean seconds) points.
-
-    One distinct n: a = 0 (proportional). Several: least squares, a clamped to >= 0 (a per-step fixed
-    cost: optimizer-free forward/backward launch overheads); None when no point has a positive time.
-    """
-    pts = [(float(n), float(t)) for n, t in points if n > 0 and t > 0]
-    if not pts:
-        return None
-    ns = {n for n, _ in pts}
-    if len(ns) > 1:
-        k = len(pts)
-        mn, mt = sum(n for n, _ in pts) / k, sum(t for _, t in pts) / k
-        var = sum((n - mn) ** 2 for n, _ in pts)
-        c = sum((n - mn) * (t - mt) for n, t in pts) / var
-        a = mt - c * mn
-        if c > 0 and a >= 0:
-            return a, c
-        if c > 0:  # a < 0: noise; a line through the origin
-            return 0.0, sum(t for _, t in pts) / sum(n for n, _ in pts)
-    return 0.0, sum(t for _, t in pts) / sum(n for n, _ in pts)
-
-
-def affine_shares(global_batch: int, models: Sequence[tuple[float, float]],
-                  max_samples: Sequence[int | None] | None = None) -> Shares:
-    """Shares that equalize ``a_r + c_r * n_r`` over ranks (the synchronous step's critical path).
-
-    With T the common step time, ``n_r = (T - a_r) / c_r`` and ``sum n_r = B`` give
-    ``T = (B + sum a_r / c_r) / sum 1 / c_r``; the real shares are then rounded and bounded by
-    :func:`decide_shares` (which keeps every rank >= 1 sample and within its memory bound).
-    """
-    inv = [1.0 / c for _, c in models]
-    T = (global_batch + sum(a / c for a, c in models)) / sum(inv)
-    ideal = [max((T - a) / c, 1e-3) for a, c in models]
-    return decide_shares(global_batch, ideal, max_samples)
-
-
-def affine_step_seconds(shares: Shares, models: Sequence[tuple[float, float]]) -> float:
-    """Predicted synchronous step time: the slowest rank's ``a_r + c_r * b_r``."""
-    return max(a + c * b for b, (a, c) in zip(shares.per_rank, models))
