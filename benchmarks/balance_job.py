@@ -92,6 +92,9 @@ def main() -> None:
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--iterable", action="store_true")
     p.add_argument("--loss", choices=("mean", "sum"), default="mean")
+    p.add_argument("--sync-in-forward", action="store_true",
+                   help="all-reduce a statistic at the end of every forward, as SyncBatchNorm does (each rank "
+                        "waits there for the slowest one)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", required=True)
@@ -106,6 +109,9 @@ def main() -> None:
     delay = _delay(rank)
     if delay:
         model.register_forward_hook(lambda _m, inputs, _out: time.sleep(delay * inputs[0].shape[0]))
+    if args.sync_in_forward:
+        model.register_forward_hook(
+            lambda _m, _inputs, out: dist.all_reduce(out.detach().sum()) if torch.is_grad_enabled() else None)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     sampler = None

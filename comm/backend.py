@@ -35,6 +35,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         BroadcastOptions, ReduceScatterOptions)
 
 from memrt.comm.routing import busy as _busy, inside_internal_groups, internal_groups, passthrough
+from memrt.comm.waits import waiting
 from memrt.comm.reduction import REDUCE_OPS
 
 __all__ = ["BACKEND_NAME", "MemrtProcessGroup", "register", "internal_groups", "passthrough", "inner_spec",
@@ -200,7 +201,8 @@ class _Work(tdist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         if self._inner is not None:
-            self._inner.wait()
+            with waiting():
+                self._inner.wait()
         return True
 
     def is_completed(self) -> bool:
@@ -250,9 +252,10 @@ class _AllWork(tdist.Work):
         self._works, self._outputs = works, outputs
 
     def wait(self, timeout: Any = None) -> bool:
-        for w in self._works:
-            if w is not None:
-                w.wait()
+        with waiting():
+            for w in self._works:
+                if w is not None:
+                    w.wait()
         return True
 
     def is_completed(self) -> bool:
@@ -428,7 +431,7 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         opts = opts if opts is not None else BarrierOptions()
         device = getattr(opts, "device", None)
         kind = device.type if device is not None and device.type in self._inner else next(iter(self._inner))
-        return self._inner[kind].barrier(opts)
+        return _RecordingWork(self._inner[kind].barrier(opts), lambda: None)
 
     # ------------------------------------------------------------------ sub-groups and pass-through
     def _flat(self, op: str, t: torch.Tensor, call: Any, reduce_op: Any = None) -> Any:
@@ -441,7 +444,8 @@ class MemrtProcessGroup(tdist.ProcessGroup):
 
 
 class _RecordingWork(tdist.Work):
-    """A real backend's Work that adds its CommRecord once completed."""
+    """A real backend's Work: its ``wait`` counts as the calling thread's wait (:mod:`memrt.comm.waits`), and
+    ``finish`` runs once it completed (adding the call's CommRecord)."""
 
     def __init__(self, work: Any, finish: Any) -> None:
         super().__init__()
@@ -453,7 +457,8 @@ class _RecordingWork(tdist.Work):
             self._finish()
 
     def wait(self, timeout: Any = None) -> bool:
-        ok = self._work.wait() if timeout is None else self._work.wait(timeout)
+        with waiting():
+            ok = self._work.wait() if timeout is None else self._work.wait(timeout)
         self._once()
         return ok
 

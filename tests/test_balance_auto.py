@@ -3,7 +3,8 @@
 One fixture runs every launch (torchrun, 2 ranks, rank 1 slowed by a sleep per sample in forward set by
 the job's own BALANCE_JOB_DELAY; no root needed); each test checks one promise:
 - the shares follow the measured speeds, and the decision is in rank 0's stderr and in both rank reports;
-  a rank slowed between steps (its dataset sleeps per sample, no DataLoader workers) is measured slow too;
+  a rank slowed between steps (its dataset sleeps per sample, no DataLoader workers) is measured slow too,
+  and a job's own collective in forward (SyncBatchNorm's kind) does not make the fast rank look slow;
 - every step's sample set (the union over ranks) and the steps per epoch equal stock's, across epochs
   (set_epoch), partial last batches, DataLoader workers, and drop_last;
 - final parameters allclose to stock (rtol 1e-4) and the final loss within 1%;
@@ -62,6 +63,8 @@ def runs(tmp_path_factory):
                                     "MEMRT_REPORT_DIR": str(tmp / "r-off")}),
         "slow_loading": _launch(tmp, "slow_loading", {**on, "BALANCE_JOB_LOAD_DELAY": "1=0.0006",
                                                       "MEMRT_REPORT_DIR": str(tmp / "r-load")}),
+        "sync_in_forward": _launch(tmp, "sync_in_forward", {**SLOW, **on, "MEMRT_REPORT_DIR": str(tmp / "r-sync")},
+                                   "--sync-in-forward"),
         "equal": _launch(tmp, "equal", {**on, **EQUAL, "MEMRT_REPORT_DIR": str(tmp / "r-equal")}),
         "iterable": _launch(tmp, "iterable", {**SLOW, **on, "MEMRT_REPORT_DIR": str(tmp / "r-it")}, "--iterable"),
         "stock_dl": _launch(tmp, "stock_dl", SLOW, "--drop-last", "--sampler-drop-last"),
@@ -112,6 +115,13 @@ def test_slow_loading_between_steps_is_measured(runs):
     assert r0["sizes"][-5] > 16 > r1["sizes"][-5], (r0["sizes"], r1["sizes"])
     d = next(d for d in _reports(runs["slow_loading"], "r-load")[0]["decisions"] if d["changed"])
     assert d["samples_per_s"][0] > 1.2 * d["samples_per_s"][1], d
+
+
+def test_wait_in_a_collective_of_the_job_is_not_work(runs):
+    """Each forward ends in an all-reduce where the fast rank waits for the slow one: that wait is left out of
+    the fast rank's time, so the slow rank still gets fewer samples."""
+    r0, r1 = runs["sync_in_forward"]["ranks"]
+    assert r0["sizes"][-5] > 16 > r1["sizes"][-5], (r0["sizes"], r1["sizes"])
 
 
 @pytest.mark.parametrize("memrt,stock", [("memrt", "stock"), ("memrt_dl", "stock_dl")])

@@ -8,8 +8,9 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
    for slower ranks: on the host, from the moment the previous step's gradient all-reduce completed (what
    the rank does between steps — copying the reduced gradients back, the optimizer step, drawing the next
    batch — is on the synchronous step's critical path) to the last gradient bucket handed to the comm hook,
-   less the time inside the hooks, in DDP's pre-forward (a buffer broadcast may wait for peers) and in
-   memrt's own exchanges; on CUDA from the wrapped module's first forward after the all-reduce to the last
+   less the time inside the hooks, in DDP's pre-forward (a buffer broadcast may wait for peers), in the
+   job's own blocking collectives (:mod:`memrt.comm.waits`: a loss all-reduced for logging, a barrier,
+   SyncBatchNorm) and in memrt's own exchanges; on CUDA from the wrapped module's first forward after the all-reduce to the last
    bucket, with events recorded on the current stream, read once they have completed;
 3. at a few steps (after ``first_check`` steps, ``refine_after`` steps after every change, then every
    ``recheck_every`` steps) exchanges, through the process group's store (no device collective), each rank's
@@ -44,6 +45,7 @@ from typing import Any
 from memrt.balance.loader import ShareSampler
 from memrt.balance.reduction import MEAN, SUM, UNKNOWN, classify_loss, describe_loss
 from memrt.balance.shares import Shares, decide_shares, predicted_step_seconds, uniform_shares
+from memrt.comm.waits import waited_seconds
 
 __all__ = ["AutoBalanceConfig", "Controller", "BalanceHookState", "balanced_hook"]
 
@@ -152,6 +154,9 @@ class Controller:
         self._excluded = 0.0
         """Host: seconds inside the current window that are waits, not work (pre-forward, exchanges)."""
         self._outer_at: float | None = None
+        self._waited_at_bucket = 0.0
+        """Host: this thread's seconds in collectives' waits (memrt.comm.waits) at the latest bucket."""
+        self._waited_origin = 0.0
         self.cuda = False
         self._pending_events: list[tuple[Any, Any, int, float]] = []
         self._window: list[_Timing] = []
@@ -237,6 +242,7 @@ class Controller:
                 self._mark_trained_loaders()
             self._last_bucket = self._now()
             self._hook_before_last = self.hook_seconds  # time inside earlier hook calls (may wait for peers)
+            self._waited_at_bucket = waited_seconds()
         return self._factor
 
     def _mark_trained_loaders(self) -> None:
@@ -265,8 +271,9 @@ class Controller:
         start, end, n = self._fwd_start, self._last_bucket, self._step_samples
         hooks, excluded = self._hook_before_last, 0.0
         if not self.cuda and self._origin is not None:
-            start, excluded = self._origin, self._excluded
+            start, excluded = self._origin, self._excluded + self._waited_at_bucket - self._waited_origin
         self._origin, self._excluded = self._reduced_at, 0.0
+        self._waited_origin = self._waited_at_bucket  # no collective of the job runs between the two
         self._fwd_start = self._last_bucket = None
         if start is None or end is None or n <= 0:
             return
