@@ -185,9 +185,12 @@ def _controller(mode="auto"):
 _KEEP: list = []
 
 
-def _figures(models, reduction="mean", drawn=3):
-    return [{"sps": 8 / (a + 8 * c), "model": [a, c], "bound": None, "reduction": reduction, "root": "",
-             "accum": 1, "loaders": [[0, drawn, 3, True, 16]]} for a, c in models]
+def _figures(models, reduction="mean", drawn=3, between=True, forward=None):
+    """Each rank's exchanged figures from (a, c): a step of 8 samples takes a + 8 c seconds between all-reduces;
+    ``forward``: its samples/s from forward to last bucket (default: the same)."""
+    return [{"sps": 8 / (a + 8 * c), "sps_forward": (forward or {}).get(r, 8 / (a + 8 * c)), "between": between,
+             "bound": None, "reduction": reduction, "root": "", "accum": 1, "loaders": [[0, drawn, 3, True, 16]]}
+            for r, (a, c) in enumerate(models)]
 
 
 def test_decisions_need_a_confirmed_imbalance_a_known_reduction_and_a_gain():
@@ -198,12 +201,33 @@ def test_decisions_need_a_confirmed_imbalance_a_known_reduction_and_a_gain():
     second = ctl._decide(_figures([(0.0, 0.001), (0.0, 0.003)], drawn=5))
     assert second["changed"] and second["shares"] == [12, 4] and second["loaders"][0]["from"] == [0, 5]
     assert ctl.loaders[0].shares_at((0, 5))[0] == (12, 4) and ctl.loaders[0].shares_at((0, 4))[0] is None
-    assert not ctl._decide(_figures([(0.0, 0.001), (0.0, 0.0032)], drawn=9))["changed"]  # small gain: kept
+    # from a balanced split (the ranks have drawn past the change) shares move when the predicted gain passes
+    # refine_gain: 12 / 4 -> 13 / 3 at these speeds gains 9%
+    ctl.loaders[0].iteration, ctl.loaders[0].drawn = 0, 9
+    slower = _figures([(0.0, 0.001), (0.0, 1 / 280)], drawn=9)
+    ctl.config.refine_gain = 0.10
+    kept = ctl._decide(slower)
+    assert not kept["changed"] and kept["shares"] == [12, 4] and "below 10%" in kept["reason"], kept
+    ctl.config.refine_gain = 0.03
+    moved = ctl._decide(slower)
+    assert moved["changed"] and moved["shares"] == [13, 3] and 0.08 < moved["predicted_gain"] < 0.10, moved
 
     unknown = _controller()._decide(_figures([(0.0, 0.001), (0.0, 0.003)], reduction="unknown"))
     assert not unknown["changed"] and "cannot be known" in unknown["reason"] and unknown["warn"]
     on = _controller("on")._decide(_figures([(0.0, 0.001), (0.0, 0.003)], reduction="unknown"))
     assert on["changed"] and on["assumed"]  # MEMRT_BALANCE=on: no confirmation, a mean assumed
+
+
+def test_one_kind_of_window_for_every_rank():
+    """When one rank cannot time between all-reduces (CUDA, or collectives memrt does not see), every rank's
+    forward-to-last-bucket speed decides; otherwise the between-all-reduces one."""
+    figures = _figures([(0.0, 0.001), (0.0, 0.003)], forward={0: 1000.0, 1: 1000.0})
+    both = _controller("on")._decide(figures)
+    assert both["changed"] and both["timed"] == "between all-reduces" and both["shares"] == [12, 4]
+    figures[1]["between"] = False
+    mixed = _controller("on")._decide(figures)
+    assert mixed["timed"] == "forward to last bucket" and mixed["samples_per_s"] == [1000.0, 1000.0]
+    assert mixed["shares"] == [8, 8] and not mixed["changed"]
 
 
 def test_a_dropped_dataloader_leaves_the_controller():

@@ -5,13 +5,16 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
 1. owns the :class:`~memrt.balance.loader.ShareSampler` of every DataLoader the job built over a
    ``DistributedSampler`` (or accelerate's shard), which yield the stock batches until told otherwise;
 2. times every training step of the DDP model it is attached to, the rank's own work only, never the wait
-   for slower ranks: on the host, from the moment the previous step's gradient all-reduce completed (what
-   the rank does between steps — copying the reduced gradients back, the optimizer step, drawing the next
-   batch — is on the synchronous step's critical path) to the last gradient bucket handed to the comm hook,
-   less the time inside the hooks, in DDP's pre-forward (a buffer broadcast may wait for peers), in the
-   job's own blocking collectives (:mod:`memrt.comm.waits`: a loss all-reduced for logging, a barrier,
-   SyncBatchNorm) and in memrt's own exchanges; on CUDA from the wrapped module's first forward after the all-reduce to the last
-   bucket, with events recorded on the current stream, read once they have completed;
+   for slower ranks: on the host, with the job's collectives on memrt's process group, from the moment the
+   previous step's gradient all-reduce completed (what the rank does between steps — copying the reduced
+   gradients back, the optimizer step, drawing the next batch — is on the synchronous step's critical path)
+   to the last gradient bucket handed to the comm hook, less the time inside the hooks, in DDP's pre-forward
+   (a buffer broadcast may wait for peers), in the job's own blocking collectives (:mod:`memrt.comm.waits`:
+   a loss all-reduced for logging, a barrier, SyncBatchNorm) and in memrt's own exchanges; otherwise (CUDA,
+   or collectives memrt does not see) from the wrapped module's first forward after the all-reduce to the
+   last bucket, on CUDA with events recorded on the current stream, read once they have completed. Every
+   rank also times the forward-to-last-bucket window, and a decision compares one kind of window: the
+   forward one as soon as one rank cannot time between all-reduces;
 3. at a few steps (after ``first_check`` steps, ``refine_after`` steps after every change, then every
    ``recheck_every`` steps) exchanges, through the process group's store (no device collective), each rank's
    samples/s, memory bound, the reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders'
@@ -45,7 +48,7 @@ from typing import Any
 from memrt.balance.loader import ShareSampler
 from memrt.balance.reduction import MEAN, SUM, UNKNOWN, classify_loss, describe_loss
 from memrt.balance.shares import Shares, decide_shares, predicted_step_seconds, uniform_shares
-from memrt.comm.waits import waited_seconds
+from memrt.comm.waits import waited_seconds, waiting
 
 __all__ = ["AutoBalanceConfig", "Controller", "BalanceHookState", "balanced_hook"]
 
@@ -92,6 +95,9 @@ class AutoBalanceConfig:
 class _Timing:
     samples: int = 0
     seconds: float = 0.0
+    """The step's window: between all-reduces on the host, forward to last bucket on CUDA."""
+    forward_seconds: float = 0.0
+    """Forward to last bucket (what every rank can time, the host as CUDA)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,14 +117,15 @@ def balanced_hook(state: BalanceHookState, bucket):  # DDP checks annotations: k
     ctl = state.controller
     start = time.perf_counter()
     factor = ctl.bucket_ready(state.is_timer, bucket)
-    if factor != 1.0:
-        bucket.buffer().mul_(factor)
-    try:
-        future = state.inner_hook(state.inner_state, bucket)
-        return future.then(ctl.reduction_done) if state.is_timer and not ctl.cuda else future
-    finally:
-        if state.is_timer:
-            ctl.hook_seconds += time.perf_counter() - start
+    with waiting():  # memrt's time in the hook, a wait inside it included, is not the rank's work
+        if factor != 1.0:
+            bucket.buffer().mul_(factor)
+        try:
+            future = state.inner_hook(state.inner_state, bucket)
+            return future.then(ctl.reduction_done) if state.is_timer and not ctl.cuda else future
+        finally:
+            if state.is_timer:
+                ctl.hook_seconds += time.perf_counter() - start
 
 
 class Controller:
@@ -154,10 +161,16 @@ class Controller:
         self._excluded = 0.0
         """Host: seconds inside the current window that are waits, not work (pre-forward, exchanges)."""
         self._outer_at: float | None = None
+        self._waited_at_outer = 0.0
+        self._waited_at_fwd = 0.0
         self._waited_at_bucket = 0.0
-        """Host: this thread's seconds in collectives' waits (memrt.comm.waits) at the latest bucket."""
+        """Host: this thread's seconds waiting (memrt.comm.waits: the job's collectives, memrt's hooks) at the
+        latest bucket, before its hook."""
         self._waited_origin = 0.0
         self.cuda = False
+        self.between_all_reduces = False
+        """Whether this rank times the window between all-reduces: on the host, with the job's collectives on
+        memrt's process group (where their waits are seen); else forward to last bucket."""
         self._pending_events: list[tuple[Any, Any, int, float]] = []
         self._window: list[_Timing] = []
         self._hook_before_last = 0.0
@@ -192,18 +205,21 @@ class Controller:
         if self._timed:
             return
         self._timed = True
+        from memrt.comm.backend import default_is_memrt
+
         param = next(iter(ddp.module.parameters()), None)
         self.cuda = param is not None and param.device.type == "cuda"
+        self.between_all_reduces = not self.cuda and default_is_memrt()
         ddp.register_forward_pre_hook(self._outer_pre_hook)
         ddp.module.register_forward_pre_hook(self._forward_pre_hook)
 
     def reduction_done(self, future: Any) -> Any:
         """Chained after every bucket's reduction of the timed model (host): note when it completed."""
-        self._reduced_at = time.perf_counter()
+        self._reduced_at = max(self._reduced_at or 0.0, time.perf_counter())
         return future.value()
 
     def _outer_pre_hook(self, _module: Any, _args: Any) -> None:
-        self._outer_at = time.perf_counter()
+        self._outer_at, self._waited_at_outer = time.perf_counter(), waited_seconds()
 
     def _now(self) -> Any:
         if self.cuda:
@@ -227,10 +243,12 @@ class Controller:
             if self.enabled and self.steps >= self._next_check:
                 self._check()
                 self._excluded += time.perf_counter() - entered
-        if outer is not None:  # DDP's pre-forward: its buffer broadcast may wait for peers
-            self._excluded += entered - outer
+        if outer is not None:  # DDP's pre-forward: its buffer broadcast may wait for peers (a wait memrt.comm.waits
+            # saw is left out of the window already)
+            self._excluded += max(0.0, entered - outer - (waited_seconds() - self._waited_at_outer))
         if self._fwd_start is None:
             self._fwd_start = self._now()
+            self._waited_at_fwd = waited_seconds()
             self.hook_seconds = self._hook_before_last = 0.0
 
     def bucket_ready(self, is_timer: bool, bucket: Any) -> float:
@@ -269,11 +287,9 @@ class Controller:
 
     def _close_step(self) -> None:
         start, end, n = self._fwd_start, self._last_bucket, self._step_samples
-        hooks, excluded = self._hook_before_last, 0.0
-        if not self.cuda and self._origin is not None:
-            start, excluded = self._origin, self._excluded + self._waited_at_bucket - self._waited_origin
+        origin, excluded, waited = self._origin, self._excluded, self._waited_at_bucket
         self._origin, self._excluded = self._reduced_at, 0.0
-        self._waited_origin = self._waited_at_bucket  # no collective of the job runs between the two
+        self._waited_origin, origin_waited = waited, self._waited_origin  # no job collective between the two
         self._fwd_start = self._last_bucket = None
         if start is None or end is None or n <= 0:
             return
@@ -281,10 +297,12 @@ class Controller:
             self._skip -= 1
             return
         if self.cuda:
-            self._pending_events.append((start, end, n, hooks))
+            self._pending_events.append((start, end, n, self._hook_before_last))
             self._resolve_events()
-        else:
-            self._add(n, max(1e-9, end - start - hooks - excluded))
+            return
+        forward = max(1e-9, end - start - (waited - self._waited_at_fwd))
+        between = forward if origin is None else max(1e-9, end - origin - excluded - (waited - origin_waited))
+        self._add(n, between, forward)
 
     def _resolve_events(self, wait: bool = False) -> None:
         keep = []
@@ -292,21 +310,22 @@ class Controller:
             if wait:
                 end.synchronize()
             if end.query():
-                self._add(n, max(1e-9, start.elapsed_time(end) / 1000.0 - _hook_s))
+                seconds = max(1e-9, start.elapsed_time(end) / 1000.0 - _hook_s)
+                self._add(n, seconds, seconds)
             else:
                 keep.append((start, end, n, _hook_s))
         self._pending_events = keep
 
-    def _add(self, n: int, seconds: float) -> None:
-        self._window.append(_Timing(samples=n, seconds=seconds))
+    def _add(self, n: int, seconds: float, forward_seconds: float) -> None:
+        self._window.append(_Timing(samples=n, seconds=seconds, forward_seconds=forward_seconds))
 
-    def samples_per_s(self) -> float | None:
+    def samples_per_s(self, *, forward: bool = False) -> float | None:
         """The median samples/s of this window's steps (all at the shares in force: the window starts after
         a change has taken effect); a step that also ran something else, an evaluation or a checkpoint, does
-        not move it. None before one."""
+        not move it. ``forward``: timed from the forward to the last bucket. None before one."""
         if self.cuda:
             self._resolve_events(wait=True)
-        rates = [t.samples / t.seconds for t in self._window if t.seconds > 0]
+        rates = [t.samples / (t.forward_seconds if forward else t.seconds) for t in self._window if t.seconds > 0]
         return statistics.median(rates) if rates else None
 
     # ----------------------------------------------------------------------------------- loss kinds
@@ -331,7 +350,8 @@ class Controller:
                 self._warn_once(f"memory bound unavailable ({exc}): shares are not bounded by the budget")
         kinds = self.reductions or {UNKNOWN}
         return {
-            "sps": self.samples_per_s(), "bound": bound,
+            "sps": self.samples_per_s(), "sps_forward": self.samples_per_s(forward=True),
+            "between": self.between_all_reduces, "bound": bound,
             "reduction": kinds.pop() if len(kinds) == 1 else UNKNOWN, "root": self._unknown_root,
             "accum": self._accum,
             "loaders": [[-2, 0, 0, False, 0] if s is None else [s.iteration, s.drawn, s.consumed, s.trained,
@@ -378,9 +398,11 @@ class Controller:
 
     def _decide(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         """The same decision on every rank from the same gathered figures."""
-        speeds = [p["sps"] for p in everyone]
+        between = all(p["between"] for p in everyone)  # one kind of window for every rank
+        speeds = [p["sps" if between else "sps_forward"] for p in everyone]
         bounds = [p["bound"] for p in everyone]
         out: dict[str, Any] = {"step": self.steps, "samples_per_s": speeds, "max_samples": bounds,
+                               "timed": "between all-reduces" if between else "forward to last bucket",
                                "changed": False, "shares": None, "predicted_gain": 0.0, "reason": ""}
         kinds = {p["reduction"] for p in everyone}
         if any(s is None or s <= 0 for s in speeds):

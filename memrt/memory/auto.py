@@ -101,11 +101,10 @@ class _State:
         self.unpartitioned: set[str] = set()
         """Keys whose compiled step missed the budget under the partitioner's plan: planned by units now."""
         self.partitioner_tries: dict[str, int] = {}
-        self.floor_steps = 0
-        """Steps measured over the budget under the floor trial in force."""
-        self.measure_again = False
-        """Measure the next step under the plan in force whatever its shapes (a floor trial's next step)."""
         """Partitioner plans made per key."""
+        self.floor_steps = 0
+        """Steps measured over the budget under the floor trial in force (its entry stays uncertified, so the
+        next step is measured too)."""
         self.rss0 = resident_bytes() if self.device.type == "cpu" else None
         self.live0 = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                           for t in list(model.parameters()) + list(model.buffers())}.values())
@@ -195,7 +194,7 @@ class _State:
             if entry.measured_shapes is None and self.step >= 2:
                 self._start_measure(inputs)
             return
-        if switched or self.measure_again or grows(self.shapes, entry.measured_shapes):
+        if switched or grows(self.shapes, entry.measured_shapes):
             self._start_measure(inputs)
 
     def freeze(self) -> None:
@@ -426,6 +425,8 @@ class _State:
         p = entry.plan
         p.measured_peak_bytes = max(int(measured), p.measured_peak_bytes or 0)
         _record(p)
+        if p.floor_trial and self.floor_steps:  # a floor trial already read over the budget: its highest reading
+            measured = p.measured_peak_bytes
         if self.budget is None or measured <= self.budget or p.outside_over_budget_bytes is not None:
             self._accept(self.key, entry)
             return
@@ -451,7 +452,6 @@ class _State:
             if p.floor_trial:  # the compiled step's floor, measured (_try_floor_compiled)
                 self.floor_steps += 1
                 if self.floor_steps < FLOOR_STEPS:  # one more step under the floor: name the highest reading
-                    self.measure_again = True
                     return
                 measured = p.measured_peak_bytes
             self.key, self.entry = None, None
@@ -502,7 +502,6 @@ class _State:
 
     def _start_measure(self, inputs: Any) -> None:
         self.backward_seen = False
-        self.measure_again = False
         if self.handle.inst.compiled_step:  # resident memory: the tracker does not see inductor's buffers
             from memrt.memory.compiled import compiled_meter
 
