@@ -122,10 +122,13 @@ def balanced_hook(state: BalanceHookState, bucket):  # DDP checks annotations: k
             bucket.buffer().mul_(factor)
         try:
             future = state.inner_hook(state.inner_state, bucket)
-            return future.then(ctl.reduction_done) if state.is_timer and not ctl.cuda else future
         finally:
             if state.is_timer:
                 ctl.hook_seconds += time.perf_counter() - start
+    if not state.is_timer:
+        return future
+    ctl.hook_returned()
+    return future if ctl.cuda else future.then(ctl.reduction_done)
 
 
 class Controller:
@@ -166,6 +169,8 @@ class Controller:
         self._waited_at_bucket = 0.0
         """Host: this thread's seconds waiting (memrt.comm.waits: the job's collectives, memrt's hooks) at the
         latest bucket, before its hook."""
+        self._waited_after_hook = 0.0
+        """Host: the same count when the latest bucket's hook returned (the last one's: at the window's start)."""
         self._waited_origin = 0.0
         self.cuda = False
         self.between_all_reduces = False
@@ -212,6 +217,10 @@ class Controller:
         self.between_all_reduces = not self.cuda and default_is_memrt()
         ddp.register_forward_pre_hook(self._outer_pre_hook)
         ddp.module.register_forward_pre_hook(self._forward_pre_hook)
+
+    def hook_returned(self) -> None:
+        """The timed model's comm hook returned for a bucket."""
+        self._waited_after_hook = waited_seconds()
 
     def reduction_done(self, future: Any) -> Any:
         """Chained after every bucket's reduction of the timed model (host): note when it completed."""
@@ -289,7 +298,8 @@ class Controller:
         start, end, n = self._fwd_start, self._last_bucket, self._step_samples
         origin, excluded, waited = self._origin, self._excluded, self._waited_at_bucket
         self._origin, self._excluded = self._reduced_at, 0.0
-        self._waited_origin, origin_waited = waited, self._waited_origin  # no job collective between the two
+        # the next window starts after this step's last hook returned (its reduction runs from there)
+        self._waited_origin, origin_waited = self._waited_after_hook, self._waited_origin
         self._fwd_start = self._last_bucket = None
         if start is None or end is None or n <= 0:
             return
