@@ -185,10 +185,35 @@ def _samples_per_s(ranks: list[dict]) -> float:
     return sum(r["timed_local_samples"] for r in ranks) / ranks[0]["timed_seconds"]
 
 
+def _standalone(caps: list[float], priority: float, capped: bool, cap: str, base: dict[str, str], tmp: Path,
+                quick: bool, batch: int) -> dict[int, float]:
+    """Every rank alone, all at once (the same caps, the same contention for cores), each as its own one-rank
+    job timed for the same number of seconds after its warm-up, so the windows overlap: samples/s per rank."""
+    speeds: dict[int, float] = {}
+    errors: list[str] = []
+
+    def alone(r: int) -> None:
+        env, _ = _cap_env(caps, [r], priority, capped, cap)
+        try:
+            speeds[r] = _samples_per_s(_launch([[0]], {**base, **env}, tmp / f"alone{r}", quick,
+                                               standalone=True, batch=batch))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"rank {r}: {exc}")
+
+    threads = [threading.Thread(target=alone, args=(r,)) for r in range(len(caps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("standalone runs failed: " + "; ".join(errors))
+    return speeds
+
+
 def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, batch: int = BATCH,
             cap: str = "compute") -> dict[str, Any]:
-    """One scenario: standalone speeds (all ranks at once, one-rank jobs), then stock DDP and MEMRT=1 ``repeats``
-    times each, taking turns going first (medians reported); returns the row. ``cap``: CAP_MODES (``compute``
+    """One scenario, ``repeats`` times: standalone speeds (all ranks at once, one-rank jobs; their sum is the
+    bound), stock DDP and MEMRT=1, the three taking turns going first (medians reported); returns the row. ``cap``: CAP_MODES (``compute``
     where only whole processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
     if cap not in CAP_MODES:
         raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_MODES}")
@@ -215,46 +240,36 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
         if can_emulate()[0]:
             cluster = EmulatedCluster("1gbit")
     try:
-        # standalone: every rank alone, all at once (the same caps, the same contention for cores), each timed
-        # for the same number of seconds after its warm-up, so the windows overlap
-        speeds: dict[int, float] = {}
-        errors: list[str] = []
-
-        def alone(r: int) -> None:
-            env, _ = _cap_env(caps, [r], priority, capped, cap)
-            try:
-                speeds[r] = _samples_per_s(_launch([[0]], {**base, **env}, tmp / f"alone{r}", quick,
-                                                   standalone=True, batch=batch))
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(f"rank {r}: {exc}")
-
-        threads = [threading.Thread(target=alone, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise RuntimeError("standalone runs failed: " + "; ".join(errors))
         env, how = _cap_env(caps, list(range(world)), priority, capped, cap)
-        _check_slowdown(caps, speeds, how=how)
         if cluster is not None:
             cluster.__enter__()
-        stock_sps, memrt_sps = [], []
+        stock_sps, memrt_sps, bounds = [], [], []
+        alone_sps: list[list[float]] = []
         for i in range(repeats):
             report = tmp / f"report{i}"
             arms = {"stock": {**base, **env},
                     "memrt": {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)}}
-            runs = {arm: _launch(nodes, arms[arm], tmp / arm, quick, cluster, batch=batch)
-                    for arm in (("stock", "memrt") if i % 2 == 0 else ("memrt", "stock"))}  # neither always first
-            stock, memrt = runs["stock"], runs["memrt"]
-            stock_sps.append(_samples_per_s(stock))
-            memrt_sps.append(_samples_per_s(memrt))
+            order = ("alone", "stock", "memrt")
+            for arm in order[i % 3:] + order[:i % 3]:  # each arm goes first in turn (the machine drifts)
+                if arm == "alone":
+                    speeds = _standalone(caps, priority, capped, cap, base, tmp, quick, batch)
+                    _check_slowdown(caps, speeds, how=how)
+                    alone_sps.append([speeds[r] for r in range(world)])
+                    bounds.append(sum(speeds.values()))
+                else:
+                    runs = _launch(nodes, arms[arm], tmp / arm, quick, cluster, batch=batch)
+                    (stock_sps if arm == "stock" else memrt_sps).append(_samples_per_s(runs))
+                    if arm == "stock":
+                        stock = runs
+                    else:
+                        memrt = runs
     finally:
         if cluster is not None:
             cluster.close()
         if capped:
             remove_stale_caps()
-    bound = sum(speeds.values())
+    bound = statistics.median(bounds)
+    speeds = {r: statistics.median(run[r] for run in alone_sps) for r in range(world)}
     sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)
     p_stock, p_memrt = torch.load(f"{tmp}/stock.params.pt"), torch.load(f"{tmp}/memrt.params.pt")
     # the same batches in one process, split as stock split them and as MEMRT=1 did: how far rounding alone
@@ -268,7 +283,8 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
         "caps": caps, "slowdown": how, "cap_unavailable": None if capped else why,
         "standalone_samples_per_s": [speeds[r] for r in range(world)], "bound_samples_per_s": bound,
         "stock_samples_per_s": sps_stock, "memrt_samples_per_s": sps_memrt,
-        "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps, "memrt_over_bound": sps_memrt / bound,
+        "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps, "bound_runs": bounds,
+        "memrt_over_bound": sps_memrt / bound,
         "stock_over_bound": sps_stock / bound,
         "final_loss_stock": loss_s, "final_loss_memrt": loss_m, "loss_rel_diff": abs(loss_m - loss_s) / abs(loss_s),
         "params_allclose_rtol_1e-4": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p_memrt, p_stock)),

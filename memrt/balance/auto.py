@@ -17,7 +17,7 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
    forward one as soon as one rank cannot time between all-reduces;
 3. at a few steps (after ``first_check`` steps, ``refine_after`` steps after every change, then every
    ``recheck_every`` steps) exchanges, through the process group's store (no device collective), each rank's
-   samples/s, memory bound, the reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders'
+   samples/s (the median of its latest ``speed_steps`` timed steps, across exchanges), memory bound, the reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders'
    draw positions; every rank then runs the same rule on the same numbers
    (:func:`memrt.balance.shares.decide_shares`: shares in proportion to the samples/s measured at the
    shares in force) and schedules the new shares from the first batch no rank has drawn yet (aligned to
@@ -28,7 +28,7 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
    mean-reduced loss under balanced shares, exactly 1 (no arithmetic at all) under stock shares.
 
 Hysteresis: the stock split is left only when the predicted step time drops by ``min_gain``, the fastest
-rank is ``min_speed_ratio`` x the slowest and the next window confirms it; a balanced split moves when the
+rank is ``min_speed_ratio`` x the slowest and the next exchange confirms it (on more steps); a balanced split moves when the
 predicted step time drops by ``refine_gain`` (``MEMRT_BALANCE=on``: no thresholds,
 and an unknown loss reduction is taken to be a mean). Decisions go to rank 0's stderr and the report.
 """
@@ -38,9 +38,10 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import weakref
 import sys
 import time
+import weakref
+from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -70,6 +71,10 @@ class AutoBalanceConfig:
     window holds the steps after ``warmup_steps`` and the batches drawn ahead of the change)."""
     recheck_every: int = 50
     """Steps between exchanges otherwise."""
+    speed_steps: int = 30
+    """A rank's speed is the median samples/s of its latest this many timed steps, across exchanges: one
+    window of ``refine_after`` steps is noisy (a decision on it alone chases the noise), and samples/s barely
+    depend on the share, so the steps before a change still tell the rank's speed."""
     min_gain: float = 0.05
     """auto: leave the stock split only when the predicted step time drops by this fraction."""
     refine_gain: float = 0.03
@@ -84,6 +89,8 @@ class AutoBalanceConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on"):
             raise ValueError(f"mode={self.mode!r} is not valid: expected 'auto' or 'on' (MEMRT_BALANCE)")
+        if self.speed_steps < 1:
+            raise ValueError(f"speed_steps={self.speed_steps} is not valid: expected at least 1")
         if self.first_check <= self.warmup_steps:
             raise ValueError(f"first_check={self.first_check} must exceed warmup_steps={self.warmup_steps}")
         for name in ("min_gain", "refine_gain"):
@@ -177,7 +184,7 @@ class Controller:
         """Whether this rank times the window between all-reduces: on the host, with the job's collectives on
         memrt's process group (where their waits are seen); else forward to last bucket."""
         self._pending_events: list[tuple[Any, Any, int, float]] = []
-        self._window: list[_Timing] = []
+        self._window: deque[_Timing] = deque(maxlen=config.speed_steps)
         self._hook_before_last = 0.0
         self._skip = config.warmup_steps
         self._next_check = config.first_check
@@ -330,9 +337,9 @@ class Controller:
         self._window.append(_Timing(samples=n, seconds=seconds, forward_seconds=forward_seconds))
 
     def samples_per_s(self, *, forward: bool = False) -> float | None:
-        """The median samples/s of this window's steps (all at the shares in force: the window starts after
-        a change has taken effect); a step that also ran something else, an evaluation or a checkpoint, does
-        not move it. ``forward``: timed from the forward to the last bucket. None before one."""
+        """The median samples/s of the latest ``speed_steps`` timed steps (the steps right after a change, until
+        it took effect, are not timed); a step that also ran something else, an evaluation or a checkpoint,
+        does not move it. ``forward``: timed from the forward to the last bucket. None before one."""
         if self.cuda:
             self._resolve_events(wait=True)
         rates = [t.samples / (t.forward_seconds if forward else t.seconds) for t in self._window if t.seconds > 0]
@@ -395,7 +402,6 @@ class Controller:
         self.decisions.append(decision)
         soon = decision["changed"] or decision.get("confirm") or decision["reason"] == "speeds not measured yet"
         self._next_check = self.steps + (self.config.refine_after if soon else self.config.recheck_every)
-        self._window.clear()
         if decision["changed"]:
             self._skip = self.config.warmup_steps + self._lag_steps()
         if self.rank == 0 and (decision["changed"] or decision.get("warn")):
@@ -472,13 +478,13 @@ class Controller:
             leaving_stock = current is None
             adopt = proposal != current_shares and (over or (gain > min_gain and (pays or not leaving_stock)))
             if adopt and leaving_stock and not over and self.config.mode == "auto" and not self._confirmed:
-                adopt = False  # leave the stock split only when the next window confirms it (noise)
+                adopt = False  # leave the stock split only when the next exchange confirms it (noise)
                 out["confirm"] = True
             out["predicted_gain"] = gain
             out["shares"] = list(proposal.per_rank if adopt else current_shares.per_rank)
             if not adopt:
                 if out.get("confirm"):
-                    out["reason"] = "an imbalance to confirm in the next window"
+                    out["reason"] = "an imbalance to confirm at the next exchange"
                 elif not pays:
                     out["reason"] = f"speeds within {self.config.min_speed_ratio:.2f}x"
                 else:
