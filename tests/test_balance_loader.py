@@ -262,3 +262,22 @@ def test_new_shares_start_with_a_gradient_accumulation_window():
         f["loaders"][0][2] = 5  # the window of this step began at batch 4 (5 consumed)
     d = ctl._decide(figures)  # noqa: SLF001
     assert d["changed"] and d["loaders"][0]["from"] == [0, 8]  # first window start >= every rank's draws (7)
+
+
+def test_speed_is_the_median_of_the_latest_steps_across_exchanges():
+    """One exchange's window is short and noisy: a rank's speed pools its latest ``speed_steps`` timed steps,
+    whatever exchanges fell between them, and forgets older ones."""
+    ctl = Controller(store=_Store(), rank=0, world=1, config=AutoBalanceConfig(speed_steps=5))
+    share = _share(64, 1, 8, True, False, False, 0)
+    ctl.add_loader(share)
+    for seconds in (0.1, 0.1, 0.1):
+        ctl._add(8, seconds, seconds)  # noqa: SLF001 - a step of 8 samples, 80 samples/s
+    ctl._check()  # noqa: SLF001 - an exchange (a one-rank world: the store holds only this rank's figures)
+    assert ctl.decisions[-1]["samples_per_s"] == [pytest.approx(80.0)]
+    for seconds in (0.2, 0.2):
+        ctl._add(8, seconds, seconds)  # noqa: SLF001 - a slower stretch: 40 samples/s
+    assert ctl.samples_per_s() == pytest.approx(80.0)  # 3 of 5 steps still at 80
+    ctl._add(8, 0.2, 0.2)  # noqa: SLF001
+    assert ctl.samples_per_s() == pytest.approx(40.0)  # the first step left the window: 2 at 80, 3 at 40
+    with pytest.raises(ValueError, match="speed_steps"):
+        AutoBalanceConfig(speed_steps=0)
