@@ -213,8 +213,9 @@ def _standalone(caps: list[float], priority: float, capped: bool, cap: str, base
 def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, batch: int = BATCH,
             cap: str = "compute") -> dict[str, Any]:
     """One scenario, ``repeats`` times: standalone speeds (all ranks at once, one-rank jobs; their sum is the
-    bound), stock DDP and MEMRT=1, the three taking turns going first (medians reported); returns the row. ``cap``: CAP_MODES (``compute``
-    where only whole processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
+    bound), stock DDP and MEMRT=1, the three taking turns going first (medians reported); returns the row.
+    ``cap``: CAP_MODES (``compute`` where only whole processes can be capped: ``process``, printed);
+    ``batch``: per-rank b (``quick``: 64)."""
     if cap not in CAP_MODES:
         raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_MODES}")
     import statistics
@@ -283,8 +284,8 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
         "caps": caps, "slowdown": how, "cap_unavailable": None if capped else why,
         "standalone_samples_per_s": [speeds[r] for r in range(world)], "bound_samples_per_s": bound,
         "stock_samples_per_s": sps_stock, "memrt_samples_per_s": sps_memrt,
-        "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps, "bound_runs": bounds,
-        "memrt_over_bound": sps_memrt / bound,
+        "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps,
+        "bound_runs": bounds, "memrt_over_bound": sps_memrt / bound,
         "stock_over_bound": sps_stock / bound,
         "final_loss_stock": loss_s, "final_loss_memrt": loss_m, "loss_rel_diff": abs(loss_m - loss_s) / abs(loss_s),
         "params_allclose_rtol_1e-4": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p_memrt, p_stock)),

@@ -17,10 +17,10 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
    forward one as soon as one rank cannot time between all-reduces;
 3. at a few steps (after ``first_check`` steps, ``refine_after`` steps after every change, then every
    ``recheck_every`` steps) exchanges, through the process group's store (no device collective), each rank's
-   samples/s (the median of its latest ``speed_steps`` timed steps, across exchanges), memory bound, the reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders'
-   draw positions; every rank then runs the same rule on the same numbers
-   (:func:`memrt.balance.shares.decide_shares`: shares in proportion to the samples/s measured at the
-   shares in force) and schedules the new shares from the first batch no rank has drawn yet (aligned to
+   samples/s (the median of its latest ``speed_steps`` timed steps, across exchanges), memory bound, the
+   reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders' draw positions; every rank then
+   runs the same rule on the same numbers (:func:`memrt.balance.shares.decide_shares`: shares in proportion to
+   the samples/s measured at the shares in force) and schedules the new shares from the first batch no rank has drawn yet (aligned to
    gradient-accumulation windows). Repeated, the rule settles where the ranks' step times are equal, per-step
    fixed costs included: a rank with a fixed cost is slower per sample at a smaller share, and the next
    decision gives it fewer samples still;
@@ -28,9 +28,9 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
    mean-reduced loss under balanced shares, exactly 1 (no arithmetic at all) under stock shares.
 
 Hysteresis: the stock split is left only when the predicted step time drops by ``min_gain``, the fastest
-rank is ``min_speed_ratio`` x the slowest and the next exchange confirms it (on more steps); a balanced split moves when the
-predicted step time drops by ``refine_gain`` (``MEMRT_BALANCE=on``: no thresholds,
-and an unknown loss reduction is taken to be a mean). Decisions go to rank 0's stderr and the report.
+rank is ``min_speed_ratio`` x the slowest and the next exchange confirms it (on more steps); a balanced split
+moves when the predicted step time drops by ``refine_gain`` (``MEMRT_BALANCE=on``: no thresholds, and an
+unknown loss reduction is taken to be a mean). Decisions go to rank 0's stderr and the report.
 """
 
 from __future__ import annotations
