@@ -244,8 +244,9 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
         env, how = _cap_env(caps, list(range(world)), priority, capped, cap)
         if cluster is not None:
             cluster.__enter__()
-        stock_sps, memrt_sps, bounds = [], [], []
         alone_sps: list[list[float]] = []
+        sps: dict[str, list[float]] = {"stock": [], "memrt": []}
+        last: dict[str, list[dict]] = {}  # each job arm's latest run (its parameters, its report)
         for i in range(repeats):
             report = tmp / f"report{i}"
             arms = {"stock": {**base, **env},
@@ -256,19 +257,17 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
                     speeds = _standalone(caps, priority, capped, cap, base, tmp, quick, batch)
                     _check_slowdown(caps, speeds, how=how)
                     alone_sps.append([speeds[r] for r in range(world)])
-                    bounds.append(sum(speeds.values()))
                 else:
-                    runs = _launch(nodes, arms[arm], tmp / arm, quick, cluster, batch=batch)
-                    (stock_sps if arm == "stock" else memrt_sps).append(_samples_per_s(runs))
-                    if arm == "stock":
-                        stock = runs
-                    else:
-                        memrt = runs
+                    last[arm] = _launch(nodes, arms[arm], tmp / arm, quick, cluster, batch=batch)
+                    sps[arm].append(_samples_per_s(last[arm]))
     finally:
         if cluster is not None:
             cluster.close()
         if capped:
             remove_stale_caps()
+    stock, memrt = last["stock"], last["memrt"]
+    stock_sps, memrt_sps = sps["stock"], sps["memrt"]
+    bounds = [sum(run) for run in alone_sps]
     bound = statistics.median(bounds)
     speeds = {r: statistics.median(run[r] for run in alone_sps) for r in range(world)}
     sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)

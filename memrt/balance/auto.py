@@ -20,10 +20,10 @@ One :class:`Controller` per activated process (``MEMRT_BALANCE=auto|on``). It
    samples/s (the median of its latest ``speed_steps`` timed steps, across exchanges), memory bound, the
    reduction of its loss (:mod:`memrt.balance.reduction`) and its DataLoaders' draw positions; every rank then
    runs the same rule on the same numbers (:func:`memrt.balance.shares.decide_shares`: shares in proportion to
-   the samples/s measured at the shares in force) and schedules the new shares from the first batch no rank has drawn yet (aligned to
-   gradient-accumulation windows). Repeated, the rule settles where the ranks' step times are equal, per-step
-   fixed costs included: a rank with a fixed cost is slower per sample at a smaller share, and the next
-   decision gives it fewer samples still;
+   the samples/s measured at the shares in force) and schedules the new shares from the first batch no rank has
+   drawn yet (aligned to gradient-accumulation windows). Repeated, the rule settles where the ranks' step
+   times are equal, per-step fixed costs included: a rank with a fixed cost is slower per sample at a smaller
+   share, and the next decision gives it fewer samples still;
 4. gives the comm hook (:func:`balanced_hook`) the factor of the batch in this step: ``n_r * W / B`` for a
    mean-reduced loss under balanced shares, exactly 1 (no arithmetic at all) under stock shares.
 
