@@ -210,12 +210,19 @@ def _standalone(caps: list[float], priority: float, capped: bool, cap: str, base
     return speeds
 
 
+def homogeneous_caps(caps: list[float]) -> list[float]:
+    """The same total CPU cap spread evenly over the ranks: the homogeneous cluster a mixed one is compared with."""
+    return [sum(caps) / len(caps)] * len(caps)
+
+
 def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, batch: int = BATCH,
             cap: str = "compute") -> dict[str, Any]:
     """One scenario, ``repeats`` times: standalone speeds (all ranks at once, one-rank jobs; their sum is the
-    bound), stock DDP and MEMRT=1, the three taking turns going first (medians reported); returns the row.
-    ``cap``: CAP_MODES (``compute`` where only whole processes can be capped: ``process``, printed);
-    ``batch``: per-rank b (``quick``: 64)."""
+    bound), stock DDP and MEMRT=1; where the caps differ, also the homogeneous reference: the standalone speeds and
+    stock DDP of the same ranks each capped at the caps' mean (:func:`homogeneous_caps`), whose fraction of its own
+    bound is what synchronous data parallelism reaches on this machine with nothing to balance. The arms take
+    turns going first (medians reported); returns the row. ``cap``: CAP_MODES (``compute`` where only whole
+    processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
     if cap not in CAP_MODES:
         raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_MODES}")
     import statistics
@@ -240,25 +247,30 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
 
         if can_emulate()[0]:
             cluster = EmulatedCluster("1gbit")
+    even = homogeneous_caps(caps)
+    reference = len(set(caps)) > 1
     try:
         env, how = _cap_env(caps, list(range(world)), priority, capped, cap)
+        even_env, _ = _cap_env(even, list(range(world)), priority, capped, cap)
         if cluster is not None:
             cluster.__enter__()
-        alone_sps: list[list[float]] = []
-        sps: dict[str, list[float]] = {"stock": [], "memrt": []}
+        alone_sps: dict[str, list[list[float]]] = {"alone": [], "even alone": []}
+        sps: dict[str, list[float]] = {"stock": [], "memrt": [], "even stock": []}
         last: dict[str, list[dict]] = {}  # each job arm's latest run (its parameters, its report)
         for i in range(repeats):
             report = tmp / f"report{i}"
-            arms = {"stock": {**base, **env},
+            arms = {"stock": {**base, **env}, "even stock": {**base, **even_env},
                     "memrt": {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)}}
-            order = ("alone", "stock", "memrt")
-            for arm in order[i % 3:] + order[:i % 3]:  # each arm goes first in turn (the machine drifts)
-                if arm == "alone":
-                    speeds = _standalone(caps, priority, capped, cap, base, tmp, quick, batch)
-                    _check_slowdown(caps, speeds, how=how)
-                    alone_sps.append([speeds[r] for r in range(world)])
+            order = ("alone", "stock", "memrt", *(("even alone", "even stock") if reference else ()))
+            k = i % len(order)
+            for arm in order[k:] + order[:k]:  # each arm goes first in turn (the machine drifts)
+                if arm in alone_sps:
+                    arm_caps = caps if arm == "alone" else even
+                    speeds = _standalone(arm_caps, priority, capped, cap, base, tmp, quick, batch)
+                    _check_slowdown(arm_caps, speeds, how=how)
+                    alone_sps[arm].append([speeds[r] for r in range(world)])
                 else:
-                    last[arm] = _launch(nodes, arms[arm], tmp / arm, quick, cluster, batch=batch)
+                    last[arm] = _launch(nodes, arms[arm], tmp / arm.replace(" ", "_"), quick, cluster, batch=batch)
                     sps[arm].append(_samples_per_s(last[arm]))
     finally:
         if cluster is not None:
@@ -267,9 +279,11 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
             remove_stale_caps()
     stock, memrt = last["stock"], last["memrt"]
     stock_sps, memrt_sps = sps["stock"], sps["memrt"]
-    bounds = [sum(run) for run in alone_sps]
+    bounds = [sum(run) for run in alone_sps["alone"]]
     bound = statistics.median(bounds)
-    speeds = {r: statistics.median(run[r] for run in alone_sps) for r in range(world)}
+    speeds = {r: statistics.median(run[r] for run in alone_sps["alone"]) for r in range(world)}
+    even_bounds = [sum(run) for run in alone_sps["even alone"]]
+    even_over_bound = (statistics.median(sps["even stock"]) / statistics.median(even_bounds)) if reference else None
     sps_stock, sps_memrt = statistics.median(stock_sps), statistics.median(memrt_sps)
     p_stock, p_memrt = torch.load(f"{tmp}/stock.params.pt"), torch.load(f"{tmp}/memrt.params.pt")
     # the same batches in one process, split as stock split them and as MEMRT=1 did: how far rounding alone
@@ -286,6 +300,8 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
         "memrt_over_stock": sps_memrt / sps_stock, "stock_runs": stock_sps, "memrt_runs": memrt_sps,
         "bound_runs": bounds, "memrt_over_bound": sps_memrt / bound,
         "stock_over_bound": sps_stock / bound,
+        "homogeneous_caps": even if reference else None, "homogeneous_bound_runs": even_bounds,
+        "homogeneous_stock_runs": sps["even stock"], "homogeneous_stock_over_bound": even_over_bound,
         "final_loss_stock": loss_s, "final_loss_memrt": loss_m, "loss_rel_diff": abs(loss_m - loss_s) / abs(loss_s),
         "params_allclose_rtol_1e-4": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p_memrt, p_stock)),
         "max_param_diff": _max_diff(p_memrt, p_stock),
@@ -304,7 +320,7 @@ def _max_diff(a: list[Any], b: list[Any]) -> float:
 
 def print_job_table(rows: list[dict[str, Any]]) -> None:
     print_table(["scenario", "ranks (nodes)", "caps (slowed)", "B", "standalone samples/s", "bound", "stock", "MEMRT=1",
-                 "MEMRT=1/stock", "MEMRT=1/bound", "loss diff", "params allclose",
+                 "MEMRT=1/stock", "MEMRT=1/bound", "homogeneous: stock/its bound", "loss diff", "params allclose",
                  "max param diff: MEMRT=1-stock / split refs", "shares"],
                 [[r["scenario"], f"{r['world']} ({'+'.join(str(len(n)) for n in r['nodes'])}"
                   f"{', emulated' if r['emulated_cluster'] else ''})",
@@ -312,12 +328,17 @@ def print_job_table(rows: list[dict[str, Any]]) -> None:
                   r["global_batch"], " + ".join(f"{s:.0f}" for s in r["standalone_samples_per_s"]),
                   f"{r['bound_samples_per_s']:.0f}", f"{r['stock_samples_per_s']:.0f}", f"{r['memrt_samples_per_s']:.0f}",
                   fmt_ratio(r["memrt_over_stock"]), f"{100 * r['memrt_over_bound']:.0f}%",
+                  "-" if r["homogeneous_stock_over_bound"] is None else
+                  f"{100 * r['homogeneous_stock_over_bound']:.0f}% (caps {r['homogeneous_caps'][0]:g})",
                   f"{100 * r['loss_rel_diff']:.2f}%", r["params_allclose_rtol_1e-4"],
                   f"{r['max_param_diff']:.1e} / {r['max_param_diff_split_references']:.1e}", r["shares"]] for r in rows],
                 title="unchanged DDP job: MEMRT=1 vs stock DDP vs the bound (sum of standalone speeds), one run")
     print("split refs: the same global batches trained in one process, each step's gradient formed from the ranks' "
           "parts (each part's mean-loss gradient weighted by its share) as stock split them and as MEMRT=1 did; their "
           "difference is what rounding alone carries over the run, with no communication in it", flush=True)
+    print("homogeneous: the same ranks each capped at the caps' mean (the same total), stock DDP against the sum of "
+          "their own standalone speeds: what synchronous data parallelism reaches here with nothing to balance",
+          flush=True)
     for r in rows:
         if r["cap_unavailable"]:
             print(f"note: {r['scenario']}: no CPU cap ({r['cap_unavailable']}); {r['slowdown']}", flush=True)

@@ -9,8 +9,9 @@
 Job scenarios (``benchmarks/balance_job.py``: DistributedSampler + DataLoader(batch_size=b), an MLP, SGD; it
 never imports memrt). Each of ``--repeats`` rounds measures, for the same caps: each rank's standalone speed
 (all ranks at once, each as its own one-rank job: nobody waits for anybody), stock DDP, and ``MEMRT=1`` (nothing
-else set), the three taking turns going first; the bound is the sum of the standalone speeds, and each figure
-is the median over the rounds. Samples/s count the steps after ``--warmup`` (memrt's first
+else set), and where the caps differ the homogeneous reference (the same ranks each capped at the caps' mean:
+standalone speeds and stock DDP), the arms taking turns going first; the bound is the sum of the standalone speeds,
+and each figure is the median over the rounds. Samples/s count the steps after ``--warmup`` (memrt's first
 decisions fall inside it). Final loss (the whole dataset, final model) and parameters of MEMRT=1 vs stock:
 - ``pair``: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root);
 - ``equal``: 2 ranks, no cap (MEMRT=1 must not be slower than stock: no balancing when it would not pay);

@@ -104,10 +104,12 @@ def test_dynamic_shapes_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mixed_cluster_job_quick(tmp_path):
-    # the unchanged DDP job's scenario runs end to end: standalone speeds, stock, MEMRT=1, and the split references
-    # (stock's job is its split's reference bitwise: the reference forms gradients as DDP does)
+    # the unchanged DDP job's scenario runs end to end: standalone speeds, stock, MEMRT=1, the homogeneous reference
+    # and the split references (stock's job is its split's reference bitwise: the reference forms gradients as DDP does)
     data, out = _run(["benchmarks.mixed_cluster", "--scenario", "pair"], tmp_path, 500)
     (job,) = data["jobs"]
     assert job["scenario"] == "pair" and job["bound_samples_per_s"] > 0 and job["memrt_over_stock"] > 0
+    assert job["homogeneous_caps"] == [0.75, 0.75] and len(job["homogeneous_bound_runs"]) == 1, job
+    assert 0 < job["homogeneous_stock_over_bound"] and "homogeneous:" in out
     assert job["max_param_diff_stock_vs_its_reference"] == 0.0, job
     assert job["loss_rel_diff"] <= 0.01 and "split refs:" in out
