@@ -220,8 +220,8 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
     """One scenario, ``repeats`` times: standalone speeds (all ranks at once, one-rank jobs; their sum is the
     bound), stock DDP and MEMRT=1; where the caps differ, also the homogeneous reference: the standalone speeds and
     stock DDP of the same ranks each capped at the caps' mean (:func:`homogeneous_caps`), whose fraction of its own
-    bound is what synchronous data parallelism reaches on this machine with nothing to balance. The arms take
-    turns going first (medians reported); returns the row. ``cap``: CAP_MODES (``compute`` where only whole
+    bound is what synchronous data parallelism reaches on this machine with nothing to balance. Round i starts with
+    the i-th arm, modulo the arms (medians reported); returns the row. ``cap``: CAP_MODES (``compute`` where only whole
     processes can be capped: ``process``, printed); ``batch``: per-rank b (``quick``: 64)."""
     if cap not in CAP_MODES:
         raise ValueError(f"cap={cap!r} is not valid: expected one of {CAP_MODES}")
@@ -263,11 +263,12 @@ def run_job(name: str, quick: bool, priority: float = 1.0, repeats: int = 1, *, 
                     "memrt": {**base, **env, **topology, "MEMRT": "1", "MEMRT_REPORT_DIR": str(report)}}
             order = ("alone", "stock", "memrt", *(("even alone", "even stock") if reference else ()))
             k = i % len(order)
-            for arm in order[k:] + order[:k]:  # each arm goes first in turn (the machine drifts)
+            for arm in order[k:] + order[:k]:  # round i starts with arm i, modulo the arms (the machine drifts)
                 if arm in alone_sps:
-                    arm_caps = caps if arm == "alone" else even
-                    speeds = _standalone(arm_caps, priority, capped, cap, base, tmp, quick, batch)
-                    _check_slowdown(arm_caps, speeds, how=how)
+                    speeds = _standalone(caps if arm == "alone" else even, priority, capped, cap, base, tmp, quick,
+                                         batch)
+                    if arm == "alone":  # even caps slow no rank below another: nothing to check
+                        _check_slowdown(caps, speeds, how=how)
                     alone_sps[arm].append([speeds[r] for r in range(world)])
                 else:
                     last[arm] = _launch(nodes, arms[arm], tmp / arm.replace(" ", "_"), quick, cluster, batch=batch)

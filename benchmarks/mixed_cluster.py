@@ -10,7 +10,7 @@ Job scenarios (``benchmarks/balance_job.py``: DistributedSampler + DataLoader(ba
 never imports memrt). Each of ``--repeats`` rounds measures, for the same caps: each rank's standalone speed
 (all ranks at once, each as its own one-rank job: nobody waits for anybody), stock DDP, and ``MEMRT=1`` (nothing
 else set), and where the caps differ the homogeneous reference (the same ranks each capped at the caps' mean:
-standalone speeds and stock DDP), the arms taking turns going first; the bound is the sum of the standalone speeds,
+standalone speeds and stock DDP), round i starting with the i-th arm; the bound is the sum of the standalone speeds,
 and each figure is the median over the rounds. Samples/s count the steps after ``--warmup`` (memrt's first
 decisions fall inside it). Final loss (the whole dataset, final model) and parameters of MEMRT=1 vs stock:
 - ``pair``: 2 ranks, rank 1 capped at 0.5 CPU (cgroup quota, root);
