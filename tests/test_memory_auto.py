@@ -244,6 +244,71 @@ def test_budget_error_states_min_feasible():
     memrt.disable(model2)
 
 
+class _Hold(torch.autograd.Function):
+    """Identity on ``x`` that saves ``extra`` for its backward: memory held from forward to the end of backward."""
+
+    @staticmethod
+    def forward(ctx, x, extra):
+        ctx.save_for_backward(extra)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class HeldMLP(nn.Module):
+    """Blocks (memrt's units) after a step that holds ``held`` bytes outside them once ``held`` is set: steps
+    after the profiled one then need more than the memory model was shown."""
+
+    def __init__(self, width: int = 32, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(n_blocks))
+        self.held = 0
+
+    def forward(self, x):
+        if self.held:
+            x = _Hold.apply(x, torch.zeros(self.held // 4, requires_grad=True))
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_overshoot_near_the_floor_tries_the_least_peak_plan():
+    """A step measured over the budget by more than the model predicted: where holding back the overshoot
+    with its safety term leaves no feasible plan but the plan of least peak still has room for the measured
+    error, that plan is tried (and fits) instead of a BudgetError."""
+    batch = _data((512, 32))
+    torch.manual_seed(0)
+    base = HeldMLP()
+
+    def run(budget, held):
+        model = copy.deepcopy(base)
+        memrt.auto(model, budget, offload="none", cache=PlanCache())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for step in range(4):
+            model.held = held if step >= 1 else 0  # the profiled step holds nothing
+            x, y = batch(step)
+            opt.zero_grad()
+            _sq(model(x), y).backward()
+            opt.step()
+        plan = memrt.plan_of(model)
+        memrt.disable(model)
+        return plan
+
+    probe = run(10**10, 0)
+    floor, keep_all = probe.min_feasible_bytes, probe.keep_all_peak_bytes
+    held = (keep_all - floor) // 2 // 4096 * 4096
+    budget = floor + held + 4096  # room for the held bytes above the least peak, less than they plus a margin
+    plan = run(budget, held)
+    assert plan is not None and plan.tries == 2, str(plan)
+    assert plan.min_feasible_bytes == floor, (plan.min_feasible_bytes, floor)
+    assert plan.margin_bytes == budget - floor, (plan.margin_bytes, budget - floor)  # all the room held back
+    assert plan.predicted_peak_bytes <= floor, str(plan)
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget, str(plan)
+
+
 def test_no_budget_plans_for_speed():
     torch.manual_seed(0)
     model, batch, loss_fn = MODELS["kwargs_mlp"]()

@@ -470,8 +470,17 @@ class _State:
         tensors = measured if counted is None else counted
         logger.warning("memrt: measured peak %d bytes is %d over the budget; re-planning with that held back",
                        tensors, tensors - self.budget)
-        self._make_plan(entry.profile, margin=_overshoot_margin(p, tensors, tensors - self.budget),
+        self._make_plan(entry.profile, margin=self._held_back(p, tensors, tensors - self.budget),
                         tries=p.tries + 1, scale=p.shape_scale)
+
+    def _held_back(self, p: Plan, measured: int, over: int) -> int:
+        """Bytes the next unit plan holds back after ``p`` measured ``over`` bytes above the budget: the
+        overshoot margin; where that leaves no feasible plan but the budget's room above the plan of least peak
+        still holds the measured miss, that room (the plan of least peak is measured before the budget is
+        called infeasible: only the margin's safety term stood in its way)."""
+        room = self.budget - p.min_feasible_bytes
+        margin = _overshoot_margin(p, measured, over)
+        return room if _missed_by(p, measured, over) <= room < margin else margin
 
     def _accept(self, key: Any, entry: CacheEntry) -> None:
         """The step under ``entry``'s plan is certified: its shapes are covered, the plan is cached."""
@@ -487,7 +496,7 @@ class _State:
         logger.warning("memrt: this step's resident peak %d bytes is %d over the budget (memory outside torch's "
                        "tensors); re-planning with that held back", measured, over)
         try:
-            self._make_plan(entry.profile, margin=_overshoot_margin(p, measured, over), tries=p.tries + 1,
+            self._make_plan(entry.profile, margin=self._held_back(p, measured, over), tries=p.tries + 1,
                             scale=p.shape_scale)
         except BudgetError as exc:
             p.outside_over_budget_bytes = over
@@ -526,7 +535,12 @@ def _overshoot_margin(p: Plan, measured: int, over: int) -> int:
     """Bytes to hold back when re-planning after ``p`` measured ``over`` bytes above the budget: the model's
     measured error for this plan (measured - predicted), not only the overshoot, since a plan predicted
     just inside budget - (margin + over) would be chosen again and miss by as much."""
-    return max(p.margin_bytes + over, measured - (p.predicted_peak_bytes or 0)) + max(over // 8, 4096)
+    return _missed_by(p, measured, over) + max(over // 8, 4096)
+
+
+def _missed_by(p: Plan, measured: int, over: int) -> int:
+    """How far below the budget the next plan's prediction must be for ``p``'s measured error to fit."""
+    return max(p.margin_bytes + over, measured - (p.predicted_peak_bytes or 0))
 
 
 def _record(p: Plan) -> None:
