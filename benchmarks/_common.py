@@ -38,6 +38,7 @@ __all__ = [
     "save_plot",
     "skip_line",
     "write_json",
+    "write_record",
     "free_port",
     "launch_on_nodes",
     "result_lines",
@@ -223,6 +224,32 @@ def write_json(out_dir: str | os.PathLike, name: str, payload: dict[str, Any]) -
     path.write_text(json.dumps(payload, indent=1, default=_jsonable, allow_nan=False))
     print(f"wrote {path}", flush=True)
     return path
+
+
+RECORDS_DIR = Path(__file__).resolve().parent / "records"
+"""Committed results records, the source of every results table in README.md and docs (benchmarks/render.py)."""
+
+
+def write_record(rid: str, *, benchmark: str, topic: str, claim: str, figures: dict[str, Any], baseline: str,
+                 info: dict[str, Any], target: str | None = None, out_dir: str | os.PathLike = RECORDS_DIR) -> Path:
+    """Write one results record (``<out_dir>/<rid>-<date>.json``) for ``python -m benchmarks.render``.
+
+    ``figures`` needs a one-line ``detail`` (and a ``summary`` for the README's headline table); ``info`` is
+    :func:`machine_info` of the run. The commit is ``git rev-parse --short HEAD`` of this checkout, or None.
+    """
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    date = info["date_utc"].split()[0]
+    machine = f"{info['cuda'] or 'no GPU'}, {info['cores']} cores, {info['memory_gib']} GiB, Python {info['python']}"
+    record = {"id": rid, "benchmark": benchmark, "topic": topic, "claim": claim, "machine": machine,
+              "torch": info["torch"], "commit": commit, "date": date, "figures": figures, "baseline": baseline,
+              "target": target, "command": info["command"], "source": "written by the benchmark"}
+    return write_json(out_dir, f"{rid}-{date}", record)
 
 
 def save_plot(out_dir: str | os.PathLike, name: str, draw: Callable[[Any], None]) -> Path | None:
