@@ -7,6 +7,7 @@ the functions that need torch import it when called.
 from memrt.profiling.comm_log import CommRow, busbw_factor, straggler_view, summarize_comm, timed
 from memrt.profiling.marks import UnitMarker, default_live_bytes, default_units
 from memrt.profiling.recorder import CommRecord, MemoryEvent, Recorder, TraceEvent, get_recorder
+from memrt.profiling.steps import StepSplit, step_split
 from memrt.profiling.timeline import MemoryTimeline, PeakAttribution, StepMemory, analyze_memory
 from memrt.profiling.trace import chrome_trace, memrt_range, write_chrome_trace
 
@@ -18,6 +19,7 @@ __all__ = [
     "PeakAttribution",
     "Recorder",
     "StepMemory",
+    "StepSplit",
     "TraceEvent",
     "UnitMarker",
     "analyze_memory",
@@ -28,6 +30,7 @@ __all__ = [
     "default_units",
     "get_recorder",
     "memrt_range",
+    "step_split",
     "straggler_view",
     "summarize_comm",
     "timed",

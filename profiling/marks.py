@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from memrt.profiling.recorder import Recorder, get_recorder
-from memrt.profiling.trace import _profiler_on
+from memrt.profiling.trace import profiler_on
 
 __all__ = ["UnitMarker", "default_live_bytes", "default_units"]
 
@@ -130,14 +130,14 @@ class UnitMarker:
         return hook
 
     def _active(self) -> bool:
-        return self.recorder.enabled or _profiler_on()
+        return self.recorder.enabled or profiler_on()
 
     def begin(self, name: str, phase: str) -> None:
         rec = self.recorder
-        if not rec.enabled and not _profiler_on():
+        if not rec.enabled and not profiler_on():
             return
         rf = None
-        if _profiler_on():
+        if profiler_on():
             import torch
 
             rf = torch.autograd.profiler.record_function(f"memrt::{name}.{phase}")

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["PLOT_INSTALL_HINT", "have_matplotlib", "plot_comm", "plot_memory", "plot_plan"]
+__all__ = ["PLOT_INSTALL_HINT", "have_matplotlib", "plot_comm", "plot_memory", "plot_plan", "plot_shares",
+           "plot_step_split"]
 
 PLOT_INSTALL_HINT = 'plots need matplotlib: pip install "memrt[plot]"'
 _DPI = 100
@@ -135,4 +136,70 @@ def plot_comm(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, wid
     if series:
         ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.1, right=0.98, top=0.92, bottom=0.12)
+    return _save(fig, path)
+
+
+def plot_step_split(splits: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, width_px: int = 900,
+                    height_px: int | None = None) -> Path:
+    """Per rank (``StepSplit`` dicts): mean step time as a bar split into collectives and the rest (ms)."""
+    height_px = height_px or max(240, 120 + 40 * len(splits))
+    fig = _figure(width_px, height_px)
+    ax = fig.add_subplot(1, 1, 1)
+    ys = list(range(len(splits)))
+    for y, s in zip(ys, splits):
+        step = s.get("step_seconds")
+        if step is None:
+            continue
+        if s.get("comm_seconds") is None:
+            ax.barh(y, 1e3 * step, color="#bbbbbb", label="step (split not recorded)" if y == ys[0] else None)
+            continue
+        comm = 1e3 * s["comm_seconds"]
+        other = 1e3 * s["other_seconds"]
+        ax.barh(y, other, color="#4c72b0", label="compute, data and other (not recorded separately)" if y == 0 else None)
+        ax.barh(y, comm, left=other, color="#dd8452", label="in collectives (incl. waits for peers)" if y == 0 else None)
+        ax.text(other + comm, y, f" {1e3 * step:.1f} ms", va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([f"rank {s['rank']}" for s in splits])
+    ax.invert_yaxis()
+    longest = max((1e3 * s["step_seconds"] for s in splits if s.get("step_seconds") is not None), default=0.0)
+    ax.set_xlim(0, max(longest, 1e-3) * 1.15)  # room for the totals written after the bars
+    ax.set_xlabel("mean time per step (ms)")
+    ax.set_title("step time per rank", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:  # below the axes: never over a bar
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -45 / (height_px - 125)), ncol=2)
+    fig.subplots_adjust(left=0.1, right=0.95, top=1 - 30 / height_px, bottom=95 / height_px)
+    return _save(fig, path)
+
+
+def plot_shares(decisions: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, width_px: int = 900,
+                height_px: int = 480) -> Path:
+    """Balance decisions over steps: each rank's share of the global batch (top) and its measured samples/s
+    (bottom). A decision's shares are those in force after it (adopted or kept)."""
+    fig = _figure(width_px, height_px)
+    top = fig.add_subplot(2, 1, 1)
+    bottom = fig.add_subplot(2, 1, 2, sharex=top)
+    world = max((len(d.get("samples_per_s") or []) for d in decisions), default=0)
+    for rank in range(world):
+        pts = [(d["step"], d["shares"][rank]) for d in decisions
+               if isinstance(d.get("shares"), list) and rank < len(d["shares"])]
+        if pts:
+            (line,) = top.step(*zip(*pts), where="post", marker="o", label=f"rank {rank}")
+            changed = [(d["step"], d["shares"][rank]) for d in decisions
+                       if d.get("changed") and isinstance(d.get("shares"), list) and rank < len(d["shares"])]
+            if changed:
+                top.scatter(*zip(*changed), s=70, facecolors="none", edgecolors=line.get_color())
+        speeds = [(d["step"], d["samples_per_s"][rank]) for d in decisions
+                  if rank < len(d.get("samples_per_s") or []) and d["samples_per_s"][rank] is not None]
+        if speeds:
+            bottom.plot(*zip(*speeds), marker="o", label=f"rank {rank}")
+    top.set_ylabel("samples per global batch")
+    top.set_title("balance: shares after each decision (circled: changed)", fontsize=10)
+    bottom.set_ylabel("samples/s (own work)")
+    bottom.set_xlabel("training step of the decision")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.93, bottom=0.1, hspace=0.3)
     return _save(fig, path)

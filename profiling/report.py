@@ -2,7 +2,8 @@
 
 Writes into DIR (or ``--out``): ``report.txt``, ``report.json``, ``trace.json`` (all ranks, one
 process per rank) and ``trace_rank{r}.json``, and with matplotlib ``memory_timeline.png``,
-``plan.png`` and ``comm_time.png``. One report is one run (:mod:`memrt.profiling.rankfiles`): a
+``plan.png`` and ``comm_time.png``; with ``--html`` one self-contained ``report.html``
+(:mod:`memrt.profiling.html_report`). One report is one run (:mod:`memrt.profiling.rankfiles`): a
 truncated, corrupt or malformed rank file, or a file of another run in a reused folder, is named in one
 line and left out; the other ranks are still reported (exit status 1 then, 0 when every rank's file of the
 run loaded). Each rank's peak is compared with its own budget. No torch at import or run time.
@@ -182,8 +183,11 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def write_report(directory: str | Path, out_dir: str | Path | None = None, *, plots_wanted: bool = True,
-                 traces: bool = True, run_id: str | None = None) -> tuple[dict[str, Any], str]:
+                 traces: bool = True, run_id: str | None = None, html: bool = False,
+                 html_path: str | Path | None = None) -> tuple[dict[str, Any], str]:
     """Load, build and write everything; returns (JSON twin, text). Raises MemrtError with no usable file.
+
+    ``html`` (or a ``html_path``) also writes the self-contained page, by default ``report.html`` in the output.
 
     Folders it creates are 0700 and every file it writes 0600, like the rank files."""
     directory = Path(directory)
@@ -215,11 +219,23 @@ def write_report(directory: str | Path, out_dir: str | Path | None = None, *, pl
         report["plots_missing"] = plots.PLOT_INSTALL_HINT
     files["json"] = str(out / "report.json")
     files["text"] = str(out / "report.txt")
+    if html or html_path:
+        files["html"] = str(Path(html_path) if html_path else out / "report.html")
     text = format_text(report)
     if report.get("plots_missing"):
         text += f"\nno plots: {report['plots_missing']}\n"
+    if "html" in files:
+        from memrt.profiling.html_report import render_html
+
+        page = render_html(report, ranks, text=text)
+        try:
+            make_private_dir(Path(files["html"]).parent)
+            _write_private(Path(files["html"]), page)
+        except OSError as exc:
+            raise MemrtError(f"cannot write the HTML page {files['html']!r} ({exc}): pass --output with a file in a "
+                             "folder you can write") from None
     for name, path in files.items():
-        if name not in ("json", "text") and Path(path).exists():
+        if name not in ("json", "text", "html") and Path(path).exists():
             os.chmod(path, 0o600)
     _write_private(out / "report.json", json.dumps(report, indent=1))
     _write_private(out / "report.txt", text)
@@ -233,11 +249,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-traces", action="store_true", help="skip the Chrome trace files")
     parser.add_argument("--run", default=None, help="the run id to report when the folder holds files of several "
                                                     "runs (default: the run of the newest file)")
+    parser.add_argument("--html", action="store_true", help="also write one self-contained HTML page (report.html; "
+                                                            "plots inline, nothing fetched from the network)")
+    parser.add_argument("--output", default=None, metavar="FILE", help="where to write the HTML page (implies --html; "
+                                                                       "default: report.html in the output folder)")
 
 
 def run(args: argparse.Namespace) -> int:
     report, text = write_report(args.directory, args.out, plots_wanted=not args.no_plots,
-                                traces=not args.no_traces, run_id=args.run)
+                                traces=not args.no_traces, run_id=args.run, html=args.html, html_path=args.output)
     print(text, end="")
     for problem in report["problems"]:
         print(f"memrt report: {RankFileProblem(**problem)}", file=sys.stderr)

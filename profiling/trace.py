@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from memrt.profiling.recorder import get_recorder
 
-__all__ = ["COMM_TID", "MEMORY_TID", "chrome_trace", "memrt_range", "write_chrome_trace"]
+__all__ = ["COMM_TID", "MEMORY_TID", "chrome_trace", "memrt_range", "profiler_on", "write_chrome_trace"]
 
 COMM_TID = 90001
 """Thread id of the collectives track in exported traces."""
@@ -33,7 +33,8 @@ MEMORY_TID = 90002
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _profiler_on() -> bool:
+def profiler_on() -> bool:
+    """Whether a torch profiler is recording in this process (without importing torch)."""
     torch = sys.modules.get("torch")  # no torch imported -> no torch profiler can be running
     return torch is not None and torch._C._autograd._profiler_enabled()
 
@@ -50,7 +51,7 @@ class memrt_range:
         self._start = None
 
     def __enter__(self) -> "memrt_range":
-        if _profiler_on():
+        if profiler_on():
             import torch
 
             self._rf = torch.autograd.profiler.record_function(self.name)
