@@ -19,9 +19,10 @@ import torch.distributed as tdist
 
 from memrt.comm import fusion
 from memrt.comm import hierarchical as alg
-from memrt.comm.dispatch import (Choice, check_arguments, compressed_inter_hop, compressed_inter_scatter, decide,
-                                 measure_trial, on_world, run_flat, run_own)
+from memrt.comm.dispatch import (check_arguments, compressed_inter_hop, compressed_inter_scatter, decide, measure_trial,
+                                 on_world, run_flat, run_own)
 from memrt.comm.reduction import REDUCE_OPS, op_name
+from memrt.comm.select import Decision
 from memrt.comm.setup import (STATE, comm_mode, destroy_process_group, ensure, get_topology, init_process_group,
                               let_backend_threads_finish, prepare, set_checks, settings, setup_topology,
                               use_collectives)
@@ -72,41 +73,31 @@ def all_reduce_with(tensor: torch.Tensor, op: Any, group: Any, async_op: bool, *
     nbytes = tensor.numel() * tensor.element_size()
     if STATE.checks:
         check_arguments("all_reduce", tensor, STATE.check_group, extra=REDUCE_OPS.index(opn))
-    algorithm, predicted, _, _ = decide("all_reduce", nbytes, tensor.dtype, op)
-    if algorithm == "off":
+    d = decide("all_reduce", nbytes, tensor.dtype, op, compress=codec)
+    if d.algorithm == "off":
         return tdist.all_reduce(tensor, op, group, async_op)
-    algorithm, predicted, reason = _with_codec("all_reduce", codec, tensor, opn, nbytes, algorithm, predicted)
     if STATE.mpi is not None and tensor.device.type == "cpu":
-        mpi_algo = "hier" if algorithm.startswith("hier") else "flat"
-        return run_own("all_reduce", tensor, nbytes, mpi_algo + "@mpi", predicted,
-                       lambda: STATE.mpi.all_reduce(tensor, opn, algorithm=mpi_algo), async_op, [tensor], opn.lower())
-    if algorithm.startswith("hier"):
-        plug = compressed_inter_hop(algorithm, key, tensor.data_ptr())
+        mpi = Decision(algorithm=d.algorithm, via="mpi", predicted_seconds=d.predicted_seconds)
+        return run_own("all_reduce", tensor, nbytes, mpi,
+                       lambda: STATE.mpi.all_reduce(tensor, opn, algorithm=d.algorithm), async_op, [tensor],
+                       opn.lower())
+    if d.algorithm == "hier":
+        plug = compressed_inter_hop(d.codec, key, tensor.data_ptr())
         chunk = None
-        if plug is not None:
+        if d.codec is not None:
             from memrt.comm.compress import pipeline_chunk_bytes
 
-            chunk = pipeline_chunk_bytes(algorithm.split("+", 1)[1], nbytes)
-        return run_own("all_reduce", tensor, nbytes, algorithm, predicted,
+            chunk = pipeline_chunk_bytes(d.codec, nbytes)
+        return run_own("all_reduce", tensor, nbytes, d,
                        lambda: alg.hierarchical_all_reduce(tensor, opn, STATE.topology, inter_all_reduce=plug,
                                                            groups=STATE.groups, chunk_bytes=chunk),
-                       async_op, [tensor], opn.lower(), reason)
+                       async_op, [tensor], opn.lower())
     return run_flat("all_reduce", tensor, nbytes, flat or (lambda: tdist.all_reduce(tensor, op, group, async_op)),
-                    async_op, predicted, opn.lower(), reason)
+                    async_op, d.predicted_seconds, opn.lower(), d.reason)
 
 
-def _with_codec(op: str, codec: str | None, t: torch.Tensor, opn: str, nbytes: int, algorithm: str,
-                predicted: float | None, *, eligible: bool = True) -> tuple[str, float | None, str]:
-    """(algorithm, predicted seconds, reason) once the caller's ``codec`` is resolved: the exact choice unless
-    compression was asked for a floating-point SUM / AVG across several nodes (and the op's own path can carry
-    it: ``eligible``); then the compressed hierarchical algorithm, inter hop only."""
-    if codec in (None, "none") or not eligible or STATE.groups is None or STATE.topology.num_nodes < 2 or \
-            not t.is_floating_point() or opn not in ("SUM", "AVG"):
-        return algorithm, predicted, ""
-    from memrt.comm.compress import choose_codec
-
-    chosen = choose_codec(codec, nbytes, t.dtype, STATE.topology, algorithm, predicted, STATE.config.comm, op=op)
-    return chosen.algorithm, chosen.predicted_seconds, chosen.reason
+_FLAT_MPI = Decision(algorithm="flat", via="mpi")
+"""memrt's MPI backend runs the call (CPU tensors under ``init_process_group(backend="mpi")``)."""
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
@@ -119,8 +110,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     if STATE.checks:
         check_arguments("broadcast", tensor, STATE.check_group, extra=src)
     if STATE.mpi is not None and tensor.device.type == "cpu":
-        return run_own("broadcast", tensor, nbytes, "flat@mpi", None, lambda: STATE.mpi.broadcast(tensor, src),
-                       async_op, [tensor])
+        return run_own("broadcast", tensor, nbytes, _FLAT_MPI, lambda: STATE.mpi.broadcast(tensor, src), async_op,
+                       [tensor])
     choice = decide("broadcast", nbytes, tensor.dtype, src=src)
     if choice.algorithm == "off":
         return tdist.broadcast(tensor, src, group, async_op)
@@ -130,10 +121,9 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
 
     choice = measure_trial(choice, tensor, {"flat": lambda: tdist.broadcast(tensor, src, group), "hier": hier})
     if choice.algorithm == "hier":
-        return run_own("broadcast", tensor, nbytes, "hier", choice.predicted, hier, async_op, [tensor],
-                       reason=choice.reason)
+        return run_own("broadcast", tensor, nbytes, choice, hier, async_op, [tensor])
     return run_flat("broadcast", tensor, nbytes, lambda: tdist.broadcast(tensor, src, group, async_op), async_op,
-                    choice.predicted, reason=choice.reason)
+                    choice.predicted_seconds, reason=choice.reason)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -147,12 +137,12 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if STATE.checks:
         check_arguments("all_gather", input_tensor, STATE.check_group)
     if STATE.mpi is not None and input_tensor.device.type == "cpu":
-        return run_own("all_gather", input_tensor, nbytes, "flat@mpi", None,
+        return run_own("all_gather", input_tensor, nbytes, _FLAT_MPI,
                        lambda: STATE.mpi.all_gather_into_tensor(output_tensor, input_tensor), async_op,
                        [output_tensor])
     # memrt's path writes a contiguous output in place; any other output takes torch's call
     choice = (decide("all_gather", nbytes, input_tensor.dtype) if output_tensor.is_contiguous()
-              else Choice("flat", None))
+              else Decision(algorithm="flat"))
     if choice.algorithm == "off":
         return flat_fn(output_tensor, input_tensor, group, async_op)
 
@@ -162,10 +152,9 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     choice = measure_trial(choice, input_tensor, {"flat": lambda: flat_fn(output_tensor, input_tensor, group),
                                                   "hier": hier})
     if choice.algorithm == "hier":
-        return run_own("all_gather", input_tensor, nbytes, "hier", choice.predicted, hier, async_op,
-                       [output_tensor], reason=choice.reason)
+        return run_own("all_gather", input_tensor, nbytes, choice, hier, async_op, [output_tensor])
     return run_flat("all_gather", input_tensor, nbytes, lambda: flat_fn(output_tensor, input_tensor, group, async_op),
-                    async_op, choice.predicted if choice.algorithm == "flat" else None, reason=choice.reason)
+                    async_op, choice.predicted_seconds if choice.algorithm == "flat" else None, reason=choice.reason)
 
 
 all_gather_single = all_gather_into_tensor
@@ -177,7 +166,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         return tdist.all_gather(tensor_list, tensor, group, async_op)
     ensure(tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
-    choice = decide("all_gather", nbytes, tensor.dtype) if STATE.mpi is None else Choice("flat", None)
+    choice = decide("all_gather", nbytes, tensor.dtype) if STATE.mpi is None else Decision(algorithm="flat")
     if choice.algorithm == "off":
         return tdist.all_gather(tensor_list, tensor, group, async_op)
     if STATE.checks and (choice.algorithm == "hier" or choice.trial is not None):  # torch's call checks its own
@@ -193,9 +182,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
                                             "hier": hier})
     if choice.algorithm != "hier":
         return run_flat("all_gather", tensor, nbytes, lambda: tdist.all_gather(tensor_list, tensor, group, async_op),
-                        async_op, choice.predicted, reason=choice.reason)
-    return run_own("all_gather", tensor, nbytes, "hier", choice.predicted, hier, async_op, list(tensor_list),
-                   reason=choice.reason)
+                        async_op, choice.predicted_seconds, reason=choice.reason)
+    return run_own("all_gather", tensor, nbytes, choice, hier, async_op, list(tensor_list))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = tdist.ReduceOp.SUM,  # noqa: A002
@@ -221,22 +209,20 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = t
     if STATE.checks:
         check_arguments("reduce_scatter", input, STATE.check_group, extra=REDUCE_OPS.index(opn))
     if STATE.mpi is not None and input.device.type == "cpu":
-        return run_own("reduce_scatter", input, nbytes, "flat@mpi", None,
+        return run_own("reduce_scatter", input, nbytes, _FLAT_MPI,
                        lambda: STATE.mpi.reduce_scatter_tensor(output, input, opn), async_op, [output], opn.lower())
-    algorithm, predicted, _, _ = decide("reduce_scatter", nbytes, input.dtype, op)
-    if algorithm == "off":
-        return flat_fn(output, input, op, group, async_op)
     topo = STATE.topology
-    algorithm, predicted, reason = _with_codec("reduce_scatter", compress, input, opn, nbytes, algorithm, predicted,
-                                               eligible=topo.is_uniform and output.is_contiguous())
-    if algorithm.startswith("hier") and output.is_contiguous():
-        plug = compressed_inter_scatter(algorithm, key)
-        return run_own("reduce_scatter", input, nbytes, algorithm, predicted,
+    d = decide("reduce_scatter", nbytes, input.dtype, op, compress=compress, compressible=output.is_contiguous())
+    if d.algorithm == "off":
+        return flat_fn(output, input, op, group, async_op)
+    if d.algorithm == "hier" and output.is_contiguous():
+        plug = compressed_inter_scatter(d.codec, key)
+        return run_own("reduce_scatter", input, nbytes, d,
                        lambda: alg.hierarchical_reduce_scatter(output, input, opn, topo, groups=STATE.groups,
                                                                inter_reduce_scatter=plug),
-                       async_op, [output], opn.lower(), reason)
+                       async_op, [output], opn.lower())
     return run_flat("reduce_scatter", input, nbytes, lambda: flat_fn(output, input, op, group, async_op), async_op,
-                    predicted if algorithm == "flat" else None, opn.lower(), reason)
+                    d.predicted_seconds if d.algorithm == "flat" else None, opn.lower(), d.reason)
 
 
 reduce_scatter_single = reduce_scatter_tensor

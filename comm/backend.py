@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -37,6 +37,10 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from memrt.comm.routing import busy as _busy, inside_internal_groups, internal_groups, passthrough
 from memrt.comm.waits import waiting
 from memrt.comm.reduction import REDUCE_OPS
+
+if TYPE_CHECKING:
+    from memrt.comm.topology import Topology
+    from memrt.config import MemrtConfig
 
 __all__ = ["BACKEND_NAME", "MemrtProcessGroup", "register", "internal_groups", "passthrough", "inner_spec",
            "set_inner_spec", "spec_for", "is_memrt_group", "default_is_memrt", "ensure_topology", "activation_kwargs"]
@@ -179,7 +183,7 @@ def activation_kwargs(args: tuple, kwargs: dict[str, Any], comm_mode: str,
     return args, kwargs, True
 
 
-def ensure_topology(config: Any = None) -> Any:
+def ensure_topology(config: MemrtConfig | None = None) -> Topology:
     """memrt.comm's topology and tier groups (collective on first use: every rank of the world calls it);
     ``config``: the settings to set up with (default: the environment's)."""
     from memrt.comm.setup import STATE, setup_topology
@@ -227,18 +231,7 @@ class _Work(tdist.Work):
             if inner is None:
                 fut: torch.futures.Future = torch.futures.Future()
                 fut.set_result(self._outputs)
-            elif hasattr(inner, "_fut") and hasattr(inner, "get_future"):  # MemrtWork: value = outputs
-                fut = inner.get_future()
-            elif hasattr(inner, "_finish") and hasattr(inner, "_work"):  # api's recorded torch Work
-                outputs, finish = self._outputs, inner._finish
-
-                def done(f: torch.futures.Future) -> list[torch.Tensor]:
-                    f.value()
-                    finish()
-                    return outputs
-
-                fut = inner._work.get_future().then(done)
-            else:
+            else:  # MemrtWork (value: the outputs) or work.RecordedWork (records the call on completion)
                 fut = inner.get_future()
             self._fut = fut
         return self._fut

@@ -11,7 +11,8 @@ before it is compressed, so over steps nothing is lost and training converges li
 Calls without a key (a metric, a loss average) get no error feedback: another tensor's residual must
 never leak into them.
 
-The codecs themselves (bits, special values, error bounds) are in :mod:`memrt.comm.codecs`.
+The codecs themselves (bits, special values, error bounds) are in :mod:`memrt.comm.codecs`; whether a call
+is compressed, and with which codec (``compress=auto`` included), is decided by :mod:`memrt.comm.select`.
 """
 
 from __future__ import annotations
@@ -27,73 +28,20 @@ from memrt.comm.codecs import (BLOCK_ELEMENTS, CODECS, INT8_CHUNK_ELEMENTS, Code
                                encode)
 from memrt.comm.reduction import DONE
 
-__all__ = ["CODECS", "COMPRESS_VALUES", "AUTO_CODEC", "AUTO_MIN_GAIN", "Codec", "CodecChoice", "ErrorFeedback",
-           "FeedbackKey", "check_compress", "choose_codec", "compressed_all_reduce", "compressed_reduce_scatter",
-           "feedback_part", "get_error_feedback", "encode", "decode", "pipeline_chunk_bytes", "INT8_CHUNK_ELEMENTS",
-           "BLOCK_ELEMENTS"]
+__all__ = ["CODECS", "COMPRESS_VALUES", "Codec", "ErrorFeedback", "FeedbackKey", "check_compress",
+           "compressed_all_reduce", "compressed_reduce_scatter", "feedback_part", "get_error_feedback", "encode",
+           "decode", "pipeline_chunk_bytes", "INT8_CHUNK_ELEMENTS", "BLOCK_ELEMENTS"]
 
 logger = logging.getLogger(__name__)
 
 COMPRESS_VALUES = ("none", "auto") + CODECS
 """What ``compress=`` / ``MEMRT_COMPRESS`` accept."""
-AUTO_CODEC = "bf16"
-"""The codec ``auto`` may pick: a rounding of each value (relative error 2**-8), never int8's chunk-wide
-quantization, which changes training beyond rounding and is only used when asked for by name."""
-AUTO_MIN_GAIN = 0.10
-"""``auto`` compresses a call only when the cost model predicts it at least this much faster."""
 
 
 def check_compress(value: str | None, setting: str = "MEMRT_COMPRESS") -> None:
     """Raise ValueError naming ``setting`` unless ``value`` is None or one of :data:`COMPRESS_VALUES`."""
     if value is not None and value not in COMPRESS_VALUES:
         raise ValueError(f"{setting}={value!r} is not valid: expected one of {'|'.join(COMPRESS_VALUES)}")
-
-
-@dataclass(kw_only=True, slots=True)
-class CodecChoice:
-    """The algorithm of one compressible all-reduce once the caller's ``compress`` is resolved."""
-
-    algorithm: str
-    """hier+<codec>, or the exact algorithm when ``auto`` found no gain."""
-    predicted_seconds: float | None
-    """Cost-model time of ``algorithm``, seconds."""
-    reason: str
-    """One line for the comm log: what was asked and, for auto, the predictions that decided."""
-
-
-def choose_codec(asked: str, nbytes: int, dtype: torch.dtype, topology, algorithm: str, predicted: float | None,
-                 comm_mode: str = "auto", op: str = "all_reduce") -> CodecChoice:
-    """Resolve ``asked`` (a codec name or "auto") for a floating-point sum of ``nbytes`` on ``topology``
-    (``op``: all_reduce or reduce_scatter).
-
-    ``algorithm`` / ``predicted``: the exact choice for this call. A named codec is always used (the
-    caller asked); ``auto`` uses :data:`AUTO_CODEC` when the cost model predicts ``hier+bf16`` at least
-    :data:`AUTO_MIN_GAIN` faster than the exact choice, and ``MEMRT_COMM=flat`` keeps it exact.
-    """
-    from memrt.comm import select
-
-    links, measured = select._model_of(topology, None)
-    nodes = tuple(tuple(n) for n in topology.nodes)
-    esize = select.element_size_of(dtype)
-    if asked != "auto":
-        algo = f"hier+{asked}"
-        return CodecChoice(algorithm=algo, predicted_seconds=select.predict(algo, nbytes, nodes, links, esize, op=op),
-                           reason=f"compress={asked} asked for: inter-node hop compressed")
-    if comm_mode == "flat":
-        return CodecChoice(algorithm=algorithm, predicted_seconds=predicted,
-                           reason="compress=auto: exact, MEMRT_COMM=flat forces torch's ring")
-    base = predicted if predicted is not None else select.predict(
-        "flat" if algorithm == "flat" else "hier", nbytes, nodes, links, esize, op=op)
-    algo = f"hier+{AUTO_CODEC}"
-    t = select.predict(algo, nbytes, nodes, links, esize, op=op)
-    gain = 1.0 - t / base if base > 0 else 0.0
-    src = "" if measured else ", default links: not probed yet"
-    line = (f"{algo} predicted {t * 1e3:.3g} ms vs {algorithm} {base * 1e3:.3g} ms ({gain:+.0%}; "
-            f"{nbytes} B {select._dtype_name(dtype)}{src})")
-    if gain >= AUTO_MIN_GAIN:
-        return CodecChoice(algorithm=algo, predicted_seconds=t, reason=f"compress=auto: {line} >= {AUTO_MIN_GAIN:.0%}")
-    return CodecChoice(algorithm=algorithm, predicted_seconds=predicted,
-                       reason=f"compress=auto: exact, {line} < {AUTO_MIN_GAIN:.0%}")
 
 
 @dataclass(frozen=True, slots=True)

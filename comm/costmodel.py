@@ -9,6 +9,11 @@ P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters 
 Per tier we keep two betas: ``beta`` for one flow alone on the link, and ``shared_beta`` for the
 per-flow cost when every local rank crosses the tier at once (hierarchical's inter phase: the
 local ranks of a node share that node's link). Links are measured by :mod:`memrt.comm.probe`.
+
+The cost model is two modules with one boundary: this one holds the link model, the building blocks, the
+calibration every prediction goes through (:func:`calibrated`) and all-reduce's formulas;
+:mod:`memrt.comm.opcost` holds the other ops' formulas and :func:`memrt.comm.opcost.predict`, the one entry
+point that gives any op's time under any algorithm. opcost uses only this module's public names.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ __all__ = [
     "hierarchical_all_reduce",
     "compressed_ratio",
     "default_link_model",
+    "link_model_of",
+    "ring_link",
+    "calibrated",
+    "call_overhead",
+    "overhead_key",
+    "MID_CALL_BYTES",
 ]
 
 # Bytes on the wire per input byte of float32 for each codec (int8 adds one float32 scale per chunk).
@@ -53,11 +64,6 @@ class TierLink:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"TierLink.{name}={v!r} is not valid: expected a finite number >= 0")
-
-    @property
-    def bandwidth_bytes_per_s(self) -> float:
-        """One flow's bandwidth, bytes/second."""
-        return 1.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else math.inf
 
     def beta(self, shared: bool) -> float:
         if shared and self.shared_beta_s_per_byte is not None:
@@ -124,6 +130,20 @@ def default_link_model() -> LinkModel:
                      inter=TierLink(alpha_s=100e-6, beta_s_per_byte=1 / 125e6, shared_beta_s_per_byte=2 / 125e6),
                      gamma_s_per_byte=1 / 4e9,
                      codec_s_per_byte={"bf16": 1 / 2e9, "fp16": 1 / 2e9, "int8": 1 / 1e9})
+
+
+def link_model_of(topology: Any, model: LinkModel | None = None) -> tuple[LinkModel, bool]:
+    """(the link model to predict with, whether it was measured): ``model`` when given, else the topology's
+    probed ``links``, else the newest model this process probed (:data:`PROBED`), else
+    :func:`default_link_model` (not measured). ``topology`` needs ``links`` only when ``model`` is None."""
+    if model is not None:
+        return model, True
+    links = topology.links
+    if isinstance(links, LinkModel):
+        return links, True
+    if PROBED:
+        return next(reversed(PROBED.values())), True
+    return default_link_model(), False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,11 +233,22 @@ def call_overhead(model: LinkModel, algorithm: str, nbytes: float, op: str = "al
     return small + (model.mid_overhead_s[key] - small) * min(1.0, nbytes / MID_CALL_BYTES)
 
 
-def _calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float, nbytes: float,
-                op: str = "all_reduce") -> float:
-    """alpha terms + measured per-call overhead + efficiency x (beta and gamma terms)."""
+def calibrated(model: LinkModel, algorithm: str, latency_s: float, bandwidth_s: float, nbytes: float,
+               op: str = "all_reduce") -> float:
+    """A formula's time as memrt measures it: alpha terms (``latency_s``) + ``op``'s measured per-call overhead
+    (:func:`call_overhead`) + ``algorithm``'s efficiency x (beta and gamma terms, ``bandwidth_s``). Every op's
+    prediction goes through this, so one link model decides every op."""
     lat = max(0.0, latency_s + call_overhead(model, algorithm, nbytes, op))
     return lat + model.efficiency.get(algorithm, 1.0) * bandwidth_s
+
+
+def ring_link(nodes: tuple[tuple[int, ...], ...], model: LinkModel) -> TierLink:
+    """The link a ring over all ranks runs at: each step waits for its slowest edge, which crosses nodes when
+    there are several (one flow per direction: ``beta`` alone, not ``shared_beta``)."""
+    if len(nodes) <= 1 or model.inter is None:
+        return model.intra
+    a, b = model.intra, model.inter
+    return TierLink(alpha_s=max(a.alpha_s, b.alpha_s), beta_s_per_byte=max(a.beta_s_per_byte, b.beta_s_per_byte))
 
 
 def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel) -> float:
@@ -227,9 +258,9 @@ def flat_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkMod
     nodes, one flow per direction (so ``beta`` alone, not ``shared_beta``).
     """
     p = sum(len(n_) for n_ in nodes)
-    link = model.intra if len(nodes) <= 1 or model.inter is None else _slowest(model.intra, model.inter)
+    link = ring_link(nodes, model)
     lat = ring_all_reduce(p, 0, link, model.gamma_s_per_byte)
-    return _calibrated(model, "flat", lat, ring_all_reduce(p, n, link, model.gamma_s_per_byte) - lat, n)
+    return calibrated(model, "flat", lat, ring_all_reduce(p, n, link, model.gamma_s_per_byte) - lat, n)
 
 
 def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model: LinkModel, *,
@@ -265,8 +296,4 @@ def hierarchical_all_reduce(nodes: tuple[tuple[int, ...], ...], n: float, model:
     work = 0.0
     if codec != "none" and m > 1:  # local encode/decode, measured directly: not scaled by the efficiency
         work = (1 if m == 2 else 2) * n / l_ranks * model.codec_s_per_byte.get(codec, 0.0)
-    return _calibrated(model, "hier", lat, stages(n) - lat, n) + work
-
-
-def _slowest(a: TierLink, b: TierLink) -> TierLink:
-    return TierLink(alpha_s=max(a.alpha_s, b.alpha_s), beta_s_per_byte=max(a.beta_s_per_byte, b.beta_s_per_byte))
+    return calibrated(model, "hier", lat, stages(n) - lat, n) + work

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as tdist
+
+if TYPE_CHECKING:
+    from memrt.config import MemrtConfig
 
 __all__ = ["DDPHookState", "ddp_comm_hook", "register_ddp_hook"]
 
@@ -67,7 +70,7 @@ def ddp_comm_hook(state: Any, bucket):  # no annotations: DDP rejects any but th
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def register_ddp_hook(ddp_model: Any, *, compress: str | None = None, config: Any = None) -> Any:
+def register_ddp_hook(ddp_model: Any, *, compress: str | None = None, config: MemrtConfig | None = None) -> Any:
     """Register :func:`ddp_comm_hook` on ``ddp_model`` (a DistributedDataParallel); returns the model.
 
     Collective (every rank, as DDP's construction): memrt.comm's topology and groups are set up and every

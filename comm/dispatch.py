@@ -1,34 +1,32 @@
-"""How one collective call runs: the algorithm choice, memrt's comm thread or torch's call, the record.
+"""How one collective call runs: memrt's comm thread or torch's call, the record.
 
-:func:`decide` asks :func:`memrt.comm.select.choose` (``MEMRT_COMM`` forces; ``auto`` takes the cost
-model's fastest). :func:`run_own` runs memrt's algorithm on the one comm thread, in call order;
-:func:`run_flat` runs torch's call as it is. Both record one :class:`~memrt.profiling.recorder.CommRecord`
-per user call (bytes per tier, predicted and measured seconds) and one profiler event of the backend's name.
+:func:`decide` asks :func:`memrt.comm.select.decide` with this job's state (the one place a call's algorithm
+and codec are decided: a :class:`~memrt.comm.select.Decision`); :func:`measure_trial` runs the measured
+pick's trials where that decision asks for them. :func:`run_own` runs memrt's algorithm on the one comm
+thread, in call order; :func:`run_flat` runs torch's call as it is. Both record one
+:class:`~memrt.profiling.recorder.CommRecord` per user call (bytes per tier, predicted and measured seconds) and
+one profiler event of the backend's name.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
 
-from memrt.comm import events, streams
+from memrt.comm import events, select, streams
 from memrt.comm.health import check_signatures
 from memrt.comm.routing import passthrough, real_backend_name
-from memrt.comm.select import choose, tier_bytes
+from memrt.comm.select import Decision, tier_bytes
 from memrt.comm.setup import STATE
 from memrt.comm.work import MemrtWork, RecordedWork, raise_diagnosed
 from memrt.profiling import recorder
 
-__all__ = ["Choice", "check_arguments", "compressed_inter_hop", "compressed_inter_scatter", "decide",
-           "measure_trial", "on_world", "record", "run_flat", "run_own", "sent_per_tier", "world_size"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["check_arguments", "compressed_inter_hop", "compressed_inter_scatter", "decide", "measure_trial",
+           "on_world", "record", "run_flat", "run_own", "sent_per_tier", "world_size"]
 
 
 def _comm_record(op: str, t: torch.Tensor, nbytes: int, algorithm: str, seconds: float, start: float,
@@ -54,40 +52,23 @@ def world_size() -> int:
     return STATE.topology.world_size if STATE.topology is not None else tdist.get_world_size()
 
 
-def sent_per_tier(op: str, algorithm: str, nbytes: int, element_size: int) -> dict[str, int]:
+def sent_per_tier(op: str, algorithm: str, nbytes: int, element_size: int, codec: str | None = None) -> dict[str, int]:
     """Bytes this rank sends per tier for one call on this job's topology (:func:`memrt.comm.select.tier_bytes`)."""
     topo = STATE.topology
-    return tier_bytes(algorithm, nbytes, topo.nodes, topo.rank, element_size, op=op)
+    return tier_bytes(algorithm, nbytes, topo.nodes, topo.rank, element_size, op=op, codec=codec)
 
 
-class Choice(NamedTuple):
-    algorithm: str
-    predicted: float | None
-    trial: tuple | None = None
-    """Set on the first call of a tie (:mod:`memrt.comm.measured_pick`): run :func:`measure_trial` before the call."""
-    reason: str = ""
+def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0, *,
+           compress: str | None = None, compressible: bool = True) -> Decision:
+    """How this call runs: :func:`memrt.comm.select.decide` with this job's topology, settings, backend, measured
+    picks and tier groups. ``compress``: what the call asked for (None: exact); ``compressible``: whether the op's
+    own path can carry a compressed inter hop for this call."""
+    return select.decide(op, nbytes, dtype, STATE.topology, STATE.config, compress=compress,
+                         compressible=compressible, reduce_op=reduce_op, backend=real_backend_name(), src=src,
+                         picks=STATE.picks, hier_ready=STATE.groups is not None)
 
 
-def decide(op: str, nbytes: int, dtype: torch.dtype, reduce_op: Any = None, src: int = 0) -> Choice:
-    """The algorithm for one call: memrt.comm.select.choose, the cost model's pick; for all_gather and broadcast
-    under ``auto``, where the model's two predictions are close, the measured pick (trials first)."""
-    cfg, topo = STATE.config, STATE.topology
-    if cfg.comm == "off":
-        return Choice("off", None)
-    if not topo.hierarchical_useful or STATE.groups is None:
-        return Choice("flat", None)
-    # compression is asked per call (the DDP hook under MEMRT_COMPRESS, compress=), never by the config alone
-    d = choose(op, nbytes, dtype, topo, _exact_config(cfg), reduce_op=reduce_op, backend=real_backend_name(),
-               src=src)
-    logger.debug("%s %d B: %s (%s)", op, nbytes, d.algorithm, d.reason)
-    if cfg.comm != "auto":
-        return Choice(d.algorithm, d.predicted_seconds)
-    algorithm, trial = STATE.picks.choose(op, nbytes, d.candidates, d.algorithm, src=src)
-    reason = STATE.picks.reason(op, nbytes, src)
-    return Choice(algorithm, d.candidates.get(algorithm, d.predicted_seconds), trial, reason)
-
-
-def measure_trial(choice: Choice, t: torch.Tensor, runners: dict[str, Callable[[], Any]]) -> Choice:
+def measure_trial(choice: Decision, t: torch.Tensor, runners: dict[str, Callable[[], Any]]) -> Decision:
     """The choice to run once ``choice``'s trials are done: with a trial key (the first call of a tie, see
     :mod:`memrt.comm.measured_pick`), time ``runners`` (one complete call of each algorithm with the user's own
     arguments) where the call itself would run them: flat on the calling thread, memrt's hierarchical algorithm
@@ -119,35 +100,22 @@ def measure_trial(choice: Choice, t: torch.Tensor, runners: dict[str, Callable[[
     try:  # the hang watchdog covers the trials and the exchange as it covers a collective
         with (STATE.health.inside(op) if STATE.health is not None else contextlib.nullcontext()), \
                 events.quiet(), passthrough():
-            algorithm = STATE.picks.measure(choice.trial, timed, barrier=tdist.barrier, sync=sync,
-                                            store=tdist.distributed_c10d._get_default_store(),
-                                            rank=STATE.topology.rank, world=STATE.topology.world_size)
+            STATE.picks.measure(choice.trial, timed, barrier=tdist.barrier, sync=sync,
+                                store=tdist.distributed_c10d._get_default_store(),
+                                rank=STATE.topology.rank, world=STATE.topology.world_size)
     except Exception as exc:  # noqa: BLE001
         raise_diagnosed(op, exc)
-    _, size, src = choice.trial
-    return Choice(algorithm, STATE.picks.predicted(choice.trial), None, STATE.picks.reason(op, size, src))
+    return select.after_trials(choice, STATE.picks)
 
 
-_exact_cfg: list[Any] = [None, None]
-
-
-def _exact_config(cfg: Any) -> Any:
-    """``cfg`` with compress="none" (cached for the current config object)."""
-    if getattr(cfg, "compress", "none") == "none":
-        return cfg
-    if _exact_cfg[0] is not cfg:
-        _exact_cfg[:] = [cfg, dataclasses.replace(cfg, compress="none")]
-    return _exact_cfg[1]
-
-
-def compressed_inter_hop(algorithm: str, base_key: Any, flat_ptr: int) -> Callable | None:
-    """The inter-node all-reduce of a compressed hierarchical ``algorithm`` ("hier+int8"), None for an exact one.
+def compressed_inter_hop(codec: str | None, base_key: Any, flat_ptr: int) -> Callable | None:
+    """The inter-node all-reduce of a hierarchical all-reduce whose inter hop is compressed with ``codec``, None
+    for an exact one (``codec`` None).
 
     ``base_key`` (the DDP hook's gradient buffer, None for a plain call) keys error feedback per chunk of the
     buffer that starts at ``flat_ptr``."""
-    if "+" not in algorithm:
+    if codec is None:
         return None
-    codec = algorithm.split("+", 1)[1]
     from memrt.comm.compress import compressed_all_reduce, feedback_part  # compressed inter-node hop
 
     def inter(shard: torch.Tensor, group: Any) -> Any:
@@ -160,14 +128,13 @@ def compressed_inter_hop(algorithm: str, base_key: Any, flat_ptr: int) -> Callab
     return inter
 
 
-def compressed_inter_scatter(algorithm: str, base_key: Any) -> Callable | None:
-    """The inter-node exchange of a compressed hierarchical reduce-scatter, None for an exact ``algorithm``.
+def compressed_inter_scatter(codec: str | None, base_key: Any) -> Callable | None:
+    """The inter-node exchange of a hierarchical reduce-scatter compressed with ``codec``, None for an exact one.
 
     ``base_key`` (the caller's gradient buffer, e.g. one FSDP2 parameter group; None for a plain call) keys
     error feedback per chunk offset of this rank's block and per destination node."""
-    if "+" not in algorithm:
+    if codec is None:
         return None
-    codec = algorithm.split("+", 1)[1]
     from memrt.comm.compress import compressed_reduce_scatter, feedback_part
 
     def inter(tier: Any, blocks: torch.Tensor, out: torch.Tensor, offset: int) -> Any:
@@ -177,12 +144,14 @@ def compressed_inter_scatter(algorithm: str, base_key: Any) -> Callable | None:
     return inter
 
 
-def run_own(name: str, t: torch.Tensor, nbytes: int, algorithm: str, predicted: float | None, fn: Callable[[], Any],
-            async_op: bool, outputs: list[torch.Tensor], redop: str = "", reason: str = "") -> MemrtWork | None:
+def run_own(name: str, t: torch.Tensor, nbytes: int, decision: Decision, fn: Callable[[], Any], async_op: bool,
+            outputs: list[torch.Tensor], redop: str = "") -> MemrtWork | None:
     """Run memrt's own algorithm ``fn`` for the user's call on the comm thread (one profiler event of the
-    backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there)."""
+    backend's name with the user's input ``t``; ``fn``'s internal collectives run unprofiled there), recorded as
+    ``decision`` (its label, prediction and reason)."""
     start = time.perf_counter()
-    tier = sent_per_tier(name, algorithm, nbytes, t.element_size())
+    tier = sent_per_tier(name, decision.algorithm, nbytes, t.element_size(), decision.codec)
+    algorithm, predicted, reason = decision.label, decision.predicted_seconds, decision.reason
     sub = streams.DeviceSubmission(t)  # CUDA: the worker's device and stream; done = the GPU work is done
     event = events.begin(name, [t])
 

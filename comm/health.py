@@ -102,6 +102,7 @@ class HealthMonitor:
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[bytes, float]] = {}
+        self._tracked: list[tuple[str, float, Any]] = []  # (name, start, CUDA end event) of NCCL calls in flight
         self._thread: threading.Thread | None = None
         self.store_lost = False
 
@@ -161,7 +162,7 @@ class HealthMonitor:
         """Watch collective ``name`` until ``event`` (a CUDA event after its work) completes: on NCCL the call
         returns at enqueue, so a hang shows up here, not inside :meth:`inside`."""
         with self._lock:
-            self._tracked = [(n, t, e) for n, t, e in getattr(self, "_tracked", []) if not e.query()]
+            self._tracked = [(n, t, e) for n, t, e in self._tracked if not e.query()]
             self._tracked.append((name, time.monotonic(), event))
 
     # ---- diagnosis
@@ -266,7 +267,7 @@ class HealthMonitor:
 
     def _watchdog(self) -> None:
         with self._lock:
-            self._tracked = [(n, t, e) for n, t, e in getattr(self, "_tracked", []) if not e.query()]
+            self._tracked = [(n, t, e) for n, t, e in self._tracked if not e.query()]
             inside = list(self._inside.values()) + [(n, t) for n, t, _ in self._tracked]
         if not inside:
             return

@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -428,7 +428,3 @@ def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: Any, t
     out.view(-1).copy_(res)
     return out
 
-
-def plan_summary(topology: Topology) -> list[tuple[Sequence[int], str]]:
-    """(inter-node group ranks, share of each chunk) per segment, for docs and logs."""
-    return [(ranks, f"{float(s.end - s.start):.3f}") for ranks, s in zip(topology.inter_groups(), topology.segments())]

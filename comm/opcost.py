@@ -1,10 +1,13 @@
-"""Predicted time of all_gather, reduce_scatter and broadcast, flat (the backend's) and memrt's hierarchical.
+"""Predicted time of every op: :func:`predict`, and the formulas of all_gather, reduce_scatter and broadcast,
+flat (the backend's) and memrt's hierarchical.
 
 All-reduce's formulas live in :mod:`memrt.comm.costmodel`; these use the same building blocks (Hockney's
 alpha-beta model; ring and binomial-tree costs after Thakur, Rabenseifner and Gropp, "Optimization of
 Collective Communication Operations in MPICH", IJHPCA 19(1), 2005) and the same calibration (the
-probe's per-algorithm call overhead and efficiency, ``costmodel._calibrated``), so one link model
-decides every op. ``p`` ranks on ``m`` nodes of at most ``l`` ranks; sizes are the user's bytes:
+probe's per-algorithm call overhead and efficiency, ``costmodel.calibrated``), so one link model
+decides every op. Only costmodel's public names are used here.
+
+``p`` ranks on ``m`` nodes of at most ``l`` ranks; sizes are the user's bytes:
 
 - all_gather: ``block`` = one rank's input (the output is ``p * block``);
 - reduce_scatter: ``nbytes`` = the whole input (each rank keeps ``nbytes / p``);
@@ -17,8 +20,8 @@ import math
 
 from memrt.comm import costmodel as cm
 
-__all__ = ["flat_all_gather", "hierarchical_all_gather", "flat_reduce_scatter", "hierarchical_reduce_scatter",
-           "flat_broadcast", "hierarchical_broadcast", "PIPELINE_CHUNK_BYTES"]
+__all__ = ["predict", "flat_all_gather", "hierarchical_all_gather", "flat_reduce_scatter",
+           "hierarchical_reduce_scatter", "flat_broadcast", "hierarchical_broadcast", "PIPELINE_CHUNK_BYTES"]
 
 PIPELINE_CHUNK_BYTES = 4 * 1024 * 1024
 """Chunk of memrt's pipelined hierarchical broadcast, all-gather and reduce-scatter (per rank's block for the
@@ -31,25 +34,44 @@ def _shape(nodes: Nodes) -> tuple[int, int, int]:
     return sum(len(n) for n in nodes), len(nodes), max(len(n) for n in nodes)
 
 
-def _ring_link(nodes: Nodes, model: cm.LinkModel) -> cm.TierLink:
-    """A ring over all ranks waits for its slowest edge: inter-node when there are several nodes (one flow)."""
-    if len(nodes) <= 1 or model.inter is None:
-        return model.intra
-    return cm._slowest(model.intra, model.inter)  # noqa: SLF001 - the same rule as flat_all_reduce
-
-
 def _timed(model: cm.LinkModel, op: str, algorithm: str, cost, nbytes: float) -> float:
     """``cost(x)`` of the full size, split into alpha terms (``cost(0)``) and size terms, calibrated with
     ``op``'s own measured call overhead."""
     lat = cost(0.0)
-    return cm._calibrated(model, algorithm, lat, cost(nbytes) - lat, nbytes, op)  # noqa: SLF001
+    return cm.calibrated(model, algorithm, lat, cost(nbytes) - lat, nbytes, op)
+
+
+def predict(algorithm: str, nbytes: int, nodes: Nodes, model: cm.LinkModel, element_size: int = 4, *,
+            codec: str | None = None, op: str = "all_reduce", backend: str = "gloo", src: int = 0) -> float:
+    """Predicted seconds of ``op`` under ``algorithm`` (flat | hier; ``codec``: the inter-node hop compressed,
+    hier only) for ``nbytes`` (the user's tensor: the input; for all_gather one rank's block)."""
+    if algorithm not in ("flat", "hier") or codec is not None and algorithm != "hier":
+        raise ValueError(f"algorithm={algorithm!r} (codec={codec!r}) is not valid: expected flat, hier or hier "
+                         "with a codec (MEMRT_COMM, MEMRT_COMPRESS)")
+    if op == "all_reduce":
+        if algorithm == "flat":
+            return cm.flat_all_reduce(nodes, nbytes, model)
+        return cm.hierarchical_all_reduce(nodes, nbytes, model, codec=codec or "none", element_size=element_size)
+    table = {("all_gather", "flat"): lambda: flat_all_gather(nodes, nbytes, model),
+             ("all_gather", "hier"): lambda: hierarchical_all_gather(nodes, nbytes, model),
+             ("reduce_scatter", "flat"): lambda: flat_reduce_scatter(nodes, nbytes, model, backend=backend),
+             ("reduce_scatter", "hier"): lambda: hierarchical_reduce_scatter(nodes, nbytes, model),
+             ("reduce_scatter", "hier+codec"): lambda: hierarchical_reduce_scatter(
+                 nodes, nbytes, model, codec=codec, element_size=element_size),
+             ("broadcast", "flat"): lambda: flat_broadcast(nodes, nbytes, model, src=src),
+             ("broadcast", "hier"): lambda: hierarchical_broadcast(nodes, nbytes, model)}
+    entry = (op, "hier+codec" if codec is not None else algorithm)
+    if entry not in table:
+        raise ValueError(f"op={op!r} with algorithm={algorithm!r} (codec={codec!r}) has no cost model: expected "
+                         "all_reduce, all_gather, reduce_scatter or broadcast with flat or hier")
+    return table[entry]()
 
 
 # ---------------------------------------------------------------- all_gather
 def flat_all_gather(nodes: Nodes, block: float, model: cm.LinkModel) -> float:
     """The backend's ring over all ranks: T = (p-1) alpha + (p-1) block beta_slowest."""
     p, _, _ = _shape(nodes)
-    link = _ring_link(nodes, model)
+    link = cm.ring_link(nodes, model)
     return _timed(model, "all_gather", "flat", lambda b: cm.ring_all_gather(p, p * b, link), block)
 
 
@@ -85,7 +107,7 @@ def flat_reduce_scatter(nodes: Nodes, nbytes: float, model: cm.LinkModel, *, bac
     torch 2.x): cost = the flat all-reduce. Other backends: ring reduce-scatter,
     T = (p-1) alpha + (p-1)/p n (beta_slowest + gamma)."""
     p, _, _ = _shape(nodes)
-    link = _ring_link(nodes, model)
+    link = cm.ring_link(nodes, model)
     gamma = model.gamma_s_per_byte
     if backend == "gloo":
         return _timed(model, "reduce_scatter", "flat", lambda n: cm.ring_all_reduce(p, n, link, gamma), nbytes)

@@ -70,7 +70,7 @@ def _reduce_scatter_arms(sizes: list[int], reps: int, model: Any) -> dict[str, A
     import torch
     import torch.distributed as tdist
 
-    from memrt.comm import api, select
+    from memrt.comm import api, opcost
     from memrt.comm.compress import FeedbackKey
     from memrt.comm.setup import STATE, override
 
@@ -88,7 +88,8 @@ def _reduce_scatter_arms(sizes: list[int], reps: int, model: Any) -> dict[str, A
             key = FeedbackKey(owner=("bench", "reduce_scatter", a)) if codec else None
             with override(comm="hier"):
                 row[a] = {"measured": timed(lambda: api.reduce_scatter_tensor(o, x, compress=codec, key=key), reps),
-                          "predicted": select.predict(a, x.numel() * 4, topo.nodes, model, op="reduce_scatter")}
+                          "predicted": opcost.predict("hier", x.numel() * 4, topo.nodes, model, codec=codec,
+                                                      op="reduce_scatter")}
         out[str(x.numel() * 4)] = row
     return out
 
@@ -99,7 +100,7 @@ def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseli
     import torch.distributed as tdist
 
     import memrt.comm as dist
-    from memrt.comm import api, probe, select
+    from memrt.comm import api, opcost, probe, select
     from memrt.comm.setup import STATE, override
     from memrt.profiling.recorder import get_recorder
 
@@ -124,9 +125,10 @@ def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseli
         for a in algos:
             with override(comm="flat" if a == "flat" else "hier"):
                 row[a] = {"measured": timed(_caller(x, a), reps_for(n)),
-                          "predicted": select.predict(a, n, topo.nodes, model)}
+                          "predicted": opcost.predict(a.split("+", 1)[0], n, topo.nodes, model,
+                                                      codec=a.split("+", 1)[1] if "+" in a else None)}
         d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
-        row["auto"] = {"algorithm": d.algorithm, "reason": d.reason}
+        row["auto"] = {"algorithm": d.label, "reason": d.reason}
         out["sizes"][str(n)] = row
     if sweep and multi:
         rows = []
@@ -142,7 +144,7 @@ def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseli
                         samples[a].append(t)
             meas = {a: statistics.median(v) for a, v in samples.items()}
             d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
-            rows.append({"bytes": n, "measured": meas, "chosen": d.algorithm, "predicted": d.candidates,
+            rows.append({"bytes": n, "measured": meas, "chosen": d.label, "predicted": d.candidates,
                          "fastest": min(meas, key=meas.get)})
         out["sweep"] = rows
     if fusion:

@@ -186,8 +186,9 @@ def test_auto_compresses_only_where_the_cost_model_predicts_ten_percent():
     from types import SimpleNamespace
 
     from memrt.comm import costmodel as cm
-    from memrt.comm.compress import choose_codec
-    from memrt.comm.select import predict
+    from memrt.comm.opcost import predict
+    from memrt.comm.select import choose
+    from memrt.config import load_config
 
     nodes = ((0, 1), (2, 3))
 
@@ -199,16 +200,18 @@ def test_auto_compresses_only_where_the_cost_model_predicts_ten_percent():
 
     n = 64 << 20
     slow, fast = topo(125e6), topo(100e9)
-    c = choose_codec("auto", n, torch.float32, slow, "hier", predict("hier", n, nodes, slow.links))
-    assert c.algorithm == "hier+bf16" and ">= 10%" in c.reason and c.predicted_seconds < predict("hier", n, nodes, slow.links)
-    c = choose_codec("auto", n, torch.float32, fast, "hier", predict("hier", n, nodes, fast.links))
+    hier, flat = load_config({"MEMRT_COMM": "hier"}), load_config({"MEMRT_COMM": "flat"})
+    c = choose("all_reduce", n, torch.float32, slow, hier, compress="auto")
+    assert c.label == "hier+bf16" and ">= 10%" in c.reason and c.predicted_seconds < predict("hier", n, nodes,
+                                                                                             slow.links)
+    c = choose("all_reduce", n, torch.float32, fast, hier, compress="auto")
     assert c.algorithm == "hier" and "< 10%" in c.reason  # a fast link: encoding costs more than it saves
-    c = choose_codec("auto", n, torch.bfloat16, slow, "hier", predict("hier", n, nodes, slow.links))
+    c = choose("all_reduce", n, torch.bfloat16, slow, hier, compress="auto")
     assert c.algorithm == "hier"  # bf16 of a bf16 tensor saves no bytes
-    c = choose_codec("auto", n, torch.float32, slow, "flat", 1.0, "flat")
+    c = choose("all_reduce", n, torch.float32, slow, flat, compress="auto")
     assert c.algorithm == "flat" and "MEMRT_COMM=flat" in c.reason
-    c = choose_codec("int8", n, torch.float32, fast, "hier", 1.0)
-    assert c.algorithm == "hier+int8" and "asked" in c.reason  # a named codec is the caller's choice
+    c = choose("all_reduce", n, torch.float32, fast, load_config({}), compress="int8")
+    assert c.label == "hier+int8" and "asked" in c.reason  # a named codec is the caller's choice
 
 
 def test_compress_values_checked_with_the_setting_named():

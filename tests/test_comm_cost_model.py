@@ -13,7 +13,8 @@ import torch
 from memrt.comm import costmodel as cm
 from memrt.comm.explain import busbw_factor, explain, explain_rows, size_bucket
 from memrt.comm.probe import cache_path, fit_alpha_beta, topology_key
-from memrt.comm.select import choose, predict, tier_bytes
+from memrt.comm.opcost import predict
+from memrt.comm.select import choose, tier_bytes
 from memrt.config import load_config
 
 A, B = 50e-6, 1 / 125e6  # 50 us, 1 Gbit/s
@@ -90,13 +91,13 @@ def test_choose_by_prediction_forced_modes_and_compression_rules():
     assert choose("all_reduce", big, f32, t, load_config({"MEMRT_COMM": "flat"})).algorithm == "flat"
     forced = choose("all_reduce", 8, f32, t, load_config({"MEMRT_COMM": "hier"}))
     assert forced.algorithm == "hier" and "MEMRT_COMM=hier" in forced.reason
-    comp = choose("all_reduce", big, f32, t, load_config({"MEMRT_COMPRESS": "int8"}))
-    assert comp.algorithm == "hier+int8" and comp.codec == "int8"
+    comp = choose("all_reduce", big, f32, t, load_config({}), compress="int8")
+    assert comp.label == "hier+int8" and comp.codec == "int8"
     # integer tensors and MAX are never compressed; compression is off unless asked for
-    assert choose("all_reduce", big, torch.int64, t, load_config({"MEMRT_COMPRESS": "int8"})).algorithm == "hier"
-    assert choose("all_reduce", big, f32, t, load_config({"MEMRT_COMPRESS": "int8"}),
-                  reduce_op=torch.distributed.ReduceOp.MAX).algorithm == "hier"
-    assert "+" not in choose("all_reduce", big, torch.bfloat16, t, load_config({})).algorithm
+    assert choose("all_reduce", big, torch.int64, t, load_config({}), compress="int8").label == "hier"
+    assert choose("all_reduce", big, f32, t, load_config({}), compress="int8",
+                  reduce_op=torch.distributed.ReduceOp.MAX).label == "hier"
+    assert "+" not in choose("all_reduce", big, torch.bfloat16, t, load_config({})).label
     # one node: flat, with the reason
     single = choose("all_reduce", big, f32, topo(((0, 1, 2, 3),)), load_config({}))
     assert single.algorithm == "flat" and "single node" in single.reason
@@ -141,9 +142,9 @@ def test_tier_bytes_per_algorithm():
     nodes = ((0, 1), (2, 3))
     n = 2**20
     assert tier_bytes("hier", n, nodes, 0) == {"intra": n, "inter": n // 2}  # RS n/2 + AG n/2; shard n/2
-    assert tier_bytes("hier+int8", n, nodes, 0)["inter"] == n // 2 // 4
+    assert tier_bytes("hier", n, nodes, 0, codec="int8")["inter"] == n // 2 // 4
     assert tier_bytes("flat", n, nodes, 1) == {"inter": int(1.5 * n), "intra": 0}  # rank 1 -> 2 crosses
-    assert predict("hier+bf16", n, nodes, model()) < predict("hier", n, nodes, model())
+    assert predict("hier", n, nodes, model(), codec="bf16") < predict("hier", n, nodes, model())
 
 
 def test_compressed_reduce_scatter_cost_and_bytes():
@@ -153,18 +154,20 @@ def test_compressed_reduce_scatter_cost_and_bytes():
     n = 64 << 20
     exact = tier_bytes("hier", n, nodes, 0, op="reduce_scatter")
     assert exact == {"intra": n // 4 * 2, "inter": n // 4}
-    assert tier_bytes("hier+int8", n, nodes, 0, op="reduce_scatter") == {"intra": exact["intra"], "inter": n // 16}
-    assert tier_bytes("hier+bf16", n, nodes, 3, op="reduce_scatter")["inter"] == n // 8
-    t = {a: predict(a, n, nodes, model(), op="reduce_scatter") for a in ("hier", "hier+bf16", "hier+int8")}
+    assert tier_bytes("hier", n, nodes, 0, op="reduce_scatter", codec="int8") == {"intra": exact["intra"],
+                                                                                   "inter": n // 16}
+    assert tier_bytes("hier", n, nodes, 3, op="reduce_scatter", codec="bf16")["inter"] == n // 8
+    t = {a: predict("hier", n, nodes, model(), op="reduce_scatter", codec=a.partition("+")[2] or None)
+         for a in ("hier", "hier+bf16", "hier+int8")}
     assert t["hier+int8"] < t["hier+bf16"] < t["hier"], t
     slow_codec = model(inter_bw=100e9, shared_factor=1.0, codec=1e-8)
-    assert predict("hier+int8", n, nodes, slow_codec, op="reduce_scatter") > predict("hier", n, nodes, slow_codec,
-                                                                                    op="reduce_scatter")
+    assert predict("hier", n, nodes, slow_codec, op="reduce_scatter", codec="int8") > predict(
+        "hier", n, nodes, slow_codec, op="reduce_scatter")
     from memrt.comm.select import choose
 
     topo = SimpleNamespace(nodes=[[0, 1], [2, 3]])
     with pytest.raises(ValueError, match="no cost model"):
-        predict("hier+int8", n, nodes, model(), op="all_gather")
+        predict("hier", n, nodes, model(), op="all_gather", codec="int8")
     assert choose("reduce_scatter", n, torch.float32, topo, model=model()).algorithm in ("flat", "hier")
 
 
