@@ -195,10 +195,10 @@ def _figures(models, reduction="mean", drawn=3, between=True, forward=None):
 
 def test_decisions_need_a_confirmed_imbalance_a_known_reduction_and_a_gain():
     ctl = _controller()
-    assert not ctl._decide(_figures([(0.0, 0.001), (0.0, 0.00104)]))["changed"]  # equal within noise
-    first = ctl._decide(_figures([(0.0, 0.001), (0.0, 0.003)]))
+    assert not ctl.decide(_figures([(0.0, 0.001), (0.0, 0.00104)]))["changed"]  # equal within noise
+    first = ctl.decide(_figures([(0.0, 0.001), (0.0, 0.003)]))
     assert not first["changed"] and first["confirm"]  # auto: one more window first
-    second = ctl._decide(_figures([(0.0, 0.001), (0.0, 0.003)], drawn=5))
+    second = ctl.decide(_figures([(0.0, 0.001), (0.0, 0.003)], drawn=5))
     assert second["changed"] and second["shares"] == [12, 4] and second["loaders"][0]["from"] == [0, 5]
     assert ctl.loaders[0].shares_at((0, 5))[0] == (12, 4) and ctl.loaders[0].shares_at((0, 4))[0] is None
     # from a balanced split (the ranks have drawn past the change) shares move when the predicted gain passes
@@ -206,15 +206,15 @@ def test_decisions_need_a_confirmed_imbalance_a_known_reduction_and_a_gain():
     ctl.loaders[0].iteration, ctl.loaders[0].drawn = 0, 9
     slower = _figures([(0.0, 0.001), (0.0, 1 / 280)], drawn=9)
     ctl.config.refine_gain = 0.10
-    kept = ctl._decide(slower)
+    kept = ctl.decide(slower)
     assert not kept["changed"] and kept["shares"] == [12, 4] and "below 10%" in kept["reason"], kept
     ctl.config.refine_gain = 0.03
-    moved = ctl._decide(slower)
+    moved = ctl.decide(slower)
     assert moved["changed"] and moved["shares"] == [13, 3] and 0.08 < moved["predicted_gain"] < 0.10, moved
 
-    unknown = _controller()._decide(_figures([(0.0, 0.001), (0.0, 0.003)], reduction="unknown"))
+    unknown = _controller().decide(_figures([(0.0, 0.001), (0.0, 0.003)], reduction="unknown"))
     assert not unknown["changed"] and "cannot be known" in unknown["reason"] and unknown["warn"]
-    on = _controller("on")._decide(_figures([(0.0, 0.001), (0.0, 0.003)], reduction="unknown"))
+    on = _controller("on").decide(_figures([(0.0, 0.001), (0.0, 0.003)], reduction="unknown"))
     assert on["changed"] and on["assumed"]  # MEMRT_BALANCE=on: no confirmation, a mean assumed
 
 
@@ -222,10 +222,10 @@ def test_one_kind_of_window_for_every_rank():
     """When one rank cannot time between all-reduces (CUDA, or collectives memrt does not see), every rank's
     forward-to-last-bucket speed decides; otherwise the between-all-reduces one."""
     figures = _figures([(0.0, 0.001), (0.0, 0.003)], forward={0: 1000.0, 1: 1000.0})
-    both = _controller("on")._decide(figures)
+    both = _controller("on").decide(figures)
     assert both["changed"] and both["timed"] == "between all-reduces" and both["shares"] == [12, 4]
     figures[1]["between"] = False
-    mixed = _controller("on")._decide(figures)
+    mixed = _controller("on").decide(figures)
     assert mixed["timed"] == "forward to last bucket" and mixed["samples_per_s"] == [1000.0, 1000.0]
     assert mixed["shares"] == [8, 8] and not mixed["changed"]
 
@@ -233,7 +233,7 @@ def test_one_kind_of_window_for_every_rank():
 def test_a_dropped_dataloader_leaves_the_controller():
     ctl = Controller(store=_Store(), rank=0, world=2, config=AutoBalanceConfig())
     ctl.add_loader(_share(64, 2, 8, True, False, False, 0))
-    assert ctl.loaders == [None] and ctl._mine()["loaders"][0][0] == -2  # noqa: SLF001
+    assert ctl.loaders == [None] and ctl.figures()["loaders"][0][0] == -2
 
 
 def test_report_of_a_controller_without_decisions():
@@ -244,23 +244,23 @@ def test_report_of_a_controller_without_decisions():
 def test_memory_bound_goes_into_the_exchange_and_caps_the_shares():
     ctl = _controller()
     ctl.memory_bound = lambda local: 10  # this rank's budget holds 10 samples per step
-    ctl._step_samples = 8  # noqa: SLF001
-    assert ctl._mine()["bound"] == 10  # noqa: SLF001
+    ctl.feed.step_samples = 8
+    assert ctl.figures()["bound"] == 10
     figures = _figures([(0.0, 0.001), (0.0, 0.004)])
     figures[0]["bound"] = 10
-    ctl._confirmed = True  # noqa: SLF001
-    d = ctl._decide(figures)  # noqa: SLF001
+    ctl.decider.confirmed = True
+    d = ctl.decide(figures)
     assert d["changed"] and d["shares"] == [10, 6]  # speeds alone would give 13 / 3
 
 
 def test_new_shares_start_with_a_gradient_accumulation_window():
     ctl = _controller()
-    ctl._confirmed = True  # noqa: SLF001
+    ctl.decider.confirmed = True
     figures = _figures([(0.0, 0.001), (0.0, 0.003)], drawn=7)
     for f in figures:
         f["accum"] = 4
         f["loaders"][0][2] = 5  # the window of this step began at batch 4 (5 consumed)
-    d = ctl._decide(figures)  # noqa: SLF001
+    d = ctl.decide(figures)
     assert d["changed"] and d["loaders"][0]["from"] == [0, 8]  # first window start >= every rank's draws (7)
 
 
@@ -271,13 +271,13 @@ def test_speed_is_the_median_of_the_latest_steps_across_exchanges():
     share = _share(64, 1, 8, True, False, False, 0)
     ctl.add_loader(share)
     for seconds in (0.1, 0.1, 0.1):
-        ctl._add(8, seconds, seconds)  # noqa: SLF001 - a step of 8 samples, 80 samples/s
-    ctl._check()  # noqa: SLF001 - an exchange (a one-rank world: the store holds only this rank's figures)
+        ctl.timer.meter.record(8, seconds, seconds)  # a step of 8 samples, 80 samples/s
+    ctl.check()  # an exchange (a one-rank world: the store holds only this rank's figures)
     assert ctl.decisions[-1]["samples_per_s"] == [pytest.approx(80.0)]
     for seconds in (0.2, 0.2):
-        ctl._add(8, seconds, seconds)  # noqa: SLF001 - a slower stretch: 40 samples/s
-    assert ctl.samples_per_s() == pytest.approx(80.0)  # 3 of 5 steps still at 80
-    ctl._add(8, 0.2, 0.2)  # noqa: SLF001
-    assert ctl.samples_per_s() == pytest.approx(40.0)  # the first step left the window: 2 at 80, 3 at 40
+        ctl.timer.meter.record(8, seconds, seconds)  # a slower stretch: 40 samples/s
+    assert ctl.timer.samples_per_s() == pytest.approx(80.0)  # 3 of 5 steps still at 80
+    ctl.timer.meter.record(8, 0.2, 0.2)
+    assert ctl.timer.samples_per_s() == pytest.approx(40.0)  # the first step left the window: 2 at 80, 3 at 40
     with pytest.raises(ValueError, match="speed_steps"):
         AutoBalanceConfig(speed_steps=0)

@@ -165,3 +165,80 @@ def test_readme_layout_matches_the_tree():
         if child.is_dir() and (child / "__init__.py").exists() or child.suffix == ".py" and \
                 child.name not in ("__init__.py", "__main__.py", "_version.py"):
             assert rel in named, f"{rel} is not in the README's Layout table"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    """The installed module name of a library file (``comm/x.py`` is ``memrt.comm.x``) and whether it is a package."""
+    rel = path.relative_to(REPO)
+    parts = [{"memrt": "memrt", "comm": "memrt.comm", "profiling": "memrt.profiling"}[rel.parts[0]]]
+    parts += list(rel.with_suffix("").parts[1:])
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def _private_reach_ins(path: Path, text: str) -> list[str]:
+    """Where the file imports or reads another memrt module's ``_private`` name."""
+    import ast
+
+    module, is_package = _module_name(path)
+    tree = ast.parse(text)
+    aliases: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("memrt")})
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not source.startswith("memrt"):
+                continue
+            for a in node.names:
+                if _private(a.name) and source != module:
+                    found.append(f"{node.lineno}: from {source} import {a.name}")
+                aliases[a.asname or a.name] = f"{source}.{a.name}"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, base = [], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name):
+            continue
+        head = aliases.get(base.id, "memrt" if base.id == "memrt" else None)
+        if head is None:
+            continue
+        target = ".".join([head, *reversed(chain)])
+        if target != module and not target.startswith(module + "."):
+            found.append(f"{node.lineno}: {target}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """A module's ``_name`` is its own: the library (tests excluded) never imports or reads another memrt
+    module's private names; what another module needs gets a public name."""
+    found = []
+    for top in ("memrt", "comm", "profiling"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            if "_site" not in path.parts:
+                rel = path.relative_to(REPO).as_posix()
+                found += [f"{rel}:{hit}" for hit in _private_reach_ins(path, path.read_text())]
+    assert not found, "private names read across modules:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module, line", [
+    ("memrt/memory/units.py", "from memrt.memory.planner import _secret"),
+    ("comm/api.py", "from . import select as s\ns._hidden_helper()"),
+    ("profiling/report.py", "import memrt.profiling.recorder\nmemrt.profiling.recorder._REC"),
+])
+def test_private_reach_in_scan_catches_one(module, line):
+    path = REPO / module
+    found = _private_reach_ins(path, path.read_text() + "\n" + line + "\n")
+    assert found, f"{line!r} in {module} was not caught"

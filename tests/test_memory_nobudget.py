@@ -19,6 +19,7 @@ import torch
 
 import memrt
 import memrt.memory.auto as auto_mod
+from memrt.memory.certify import Certifier
 from memrt.memory.cache import PlanCache
 from memrt.memory.meter import watch_optimizers
 from memrt.profiling.recorder import get_recorder
@@ -51,15 +52,15 @@ def test_no_budget_measures_one_step_and_keeps_numerics():
     get_recorder().clear()
     memrt.auto(model, None, offload="none", cache=PlanCache())
     starts = []
-    begin = auto_mod._State._start_measure
+    begin = Certifier.start
 
     def counting(self, inputs):
-        starts.append(self.step)
+        starts.append(self.steps.step)
         return begin(self, inputs)
 
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(auto_mod._State, "_start_measure", counting)
+            mp.setattr(Certifier, "start", counting)
             mp.setattr(auto_mod.ProfileSession, "begin", lambda *a, **k: pytest.fail("profiled without a budget"))
             grads = _train(model, 4)
         for a, b in zip(grads, ref):

@@ -219,7 +219,7 @@ def test_eval_forwards_are_not_training_steps():
         # the validation forward (batch 24) was started as a profile before the first step and dropped;
         # the training shape was profiled once; shapes never "varied" (no bucket plans)
         assert [p.split(":")[0] for p in profiled] == ["(24, 32)", "(16, 32)"], profiled
-        assert not auto_mod._STATES[with_evals].varying
+        assert not auto_mod._STATES[with_evals].steps.varying
         assert [u.action for u in plan.units] == [u.action for u in ref_plan.units]
         # certified on a training step: the same measured peak as the job without evaluation
         assert plan.measured_peak_bytes == ref_plan.measured_peak_bytes <= budget

@@ -1,4 +1,4 @@
-"""SpeedBalancer: measure each rank, agree on shares in one collective, weight gradients, feed the sampler.
+"""SpeedBalancer: the explicit API, a thin front over the parts ``MEMRT=1`` uses.
 
     bal = SpeedBalancer(global_batch=64)                      # after init_process_group
     loader = DataLoader(ds, batch_sampler=bal.sampler(ds))    # each rank: its share of every global batch
@@ -8,10 +8,13 @@
             loss_fn(ddp(x), y).backward()                     # loss = mean over the rank's b_r samples
         opt.step(); opt.zero_grad()
 
-Shares start uniform. Every ``rebalance_every`` steps all ranks all-gather (samples/s, memory bound) and
-run the same deterministic rule (:func:`memrt.balance.shares.decide_shares`); the new shares are adopted
-only when they cut the predicted step time by ``min_gain`` (so noise does not make them flap), and take
-effect from the next global batch drawn — a step boundary on every rank alike.
+Shares start uniform. Every ``rebalance_every`` steps all ranks exchange (samples/s, memory bound) through
+the process group's store (:mod:`memrt.balance.exchange`, as ``MEMRT=1`` does) and run the same rule
+(:func:`memrt.balance.decision.propose`); the new shares are adopted only when they cut the predicted step
+time by ``min_gain`` (so noise does not make them flap), and take effect from the next global batch drawn — a
+step boundary on every rank alike. Speeds: :class:`~memrt.balance.capability.ThroughputMeter`; gradients:
+:func:`~memrt.balance.hook.weighted_allreduce_hook`; batches: the share sampler
+(:class:`~memrt.balance.sampler.BalancedBatchSampler`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Sized
 
-from memrt.balance.capability import ThroughputMeter
+from memrt.balance.capability import ThroughputMeter, max_samples_from_plan
+from memrt.balance.decision import propose
+from memrt.balance.exchange import exchange_for_group
 from memrt.balance.hook import WeightedHookState, weighted_allreduce_hook
 from memrt.balance.sampler import BalancedBatchSampler
-from memrt.balance.shares import Shares, decide_shares, gather_capabilities, predicted_step_seconds, uniform_shares
+from memrt.balance.shares import Shares, decide_shares, uniform_shares
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.nn import Module
+    from torch.nn.parallel import DistributedDataParallel
+
+    from memrt.comm.mixed import MixedComm
 
 __all__ = ["BalanceConfig", "Decision", "SpeedBalancer"]
 
@@ -37,15 +49,18 @@ class BalanceConfig:
     """How a :class:`SpeedBalancer` measures and decides."""
 
     rebalance_every: int = 4
-    """Steps between share decisions (one all-gather of 16 bytes per rank each time)."""
+    """Steps between share decisions (one exchange of a few bytes per rank through the store each time)."""
     window_steps: int = 8
-    """Steps in the throughput window (samples/s = window samples / window compute seconds)."""
+    """Steps in the throughput window (samples/s = the median of the window's per-step samples / compute
+    seconds)."""
     warmup_steps: int = 1
     """Steps ignored after every share change (first-call and allocator warm-up)."""
     min_gain: float = 0.05
     """Adopt new shares only when they cut the predicted step time by this fraction (0.05 = 5%)."""
     adaptive: bool = True
-    """False: keep the initial (or ``set_shares``) shares; no collective is ever run."""
+    """False: keep the initial (or ``set_shares``) shares; no exchange is ever run."""
+    exchange_timeout_s: float = 900.0
+    """How long a rank waits for the others' figures at a decision (seconds)."""
 
     def __post_init__(self) -> None:
         if self.rebalance_every < 1:
@@ -57,6 +72,8 @@ class BalanceConfig:
             raise ValueError(f"window_steps={self.window_steps} is not valid: expected >= 1")
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain={self.min_gain} is not valid: expected a fraction in [0, 1)")
+        if self.exchange_timeout_s <= 0:
+            raise ValueError(f"exchange_timeout_s={self.exchange_timeout_s} is not valid: expected seconds > 0")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -66,9 +83,9 @@ class Decision:
     step: int
     """Steps completed when it was taken."""
     samples_per_s: tuple[float, ...]
-    """Gathered measured throughput per rank."""
+    """Exchanged measured throughput per rank."""
     max_samples: tuple[int | None, ...]
-    """Gathered memory bound per rank."""
+    """Exchanged memory bound per rank."""
     shares: tuple[int, ...]
     """Shares in force after the decision."""
     changed: bool
@@ -81,12 +98,12 @@ class SpeedBalancer:
     """Speed-weighted data parallelism over ``group`` (default: the whole job) for a fixed global batch.
 
     Construction is collective (every rank of ``group``, same ``global_batch``): without ``shares`` the
-    ranks all-gather their memory bounds and start from uniform shares within them. ``max_samples`` is
+    ranks exchange their memory bounds and start from uniform shares within them. ``max_samples`` is
     this rank's memory bound in samples per step (int), ``"plan"`` (derived from ``memrt.plan_of`` of the
     attached model at each decision) or None (unbounded).
     """
 
-    def __init__(self, global_batch: int, *, group: Any = None, max_samples: int | str | None = None,
+    def __init__(self, global_batch: int, *, group: ProcessGroup | None = None, max_samples: int | str | None = None,
                  config: BalanceConfig | None = None, shares: Sequence[int] | None = None) -> None:
         import torch.distributed as dist
 
@@ -100,10 +117,12 @@ class SpeedBalancer:
             raise ValueError(f"max_samples={max_samples!r} is not valid: expected samples >= 1, 'plan' (from "
                              "memrt.plan_of(model) of the attached model) or None (no memory bound)")
         self.max_samples = max_samples
-        self._module: Any = None
-        if shares is None:  # uniform within the memory bounds: one all-gather of the bounds
+        self._module: Module | None = None
+        self.exchange = exchange_for_group(group, name="api", timeout_s=self.config.exchange_timeout_s)
+        """Where the ranks' figures meet (the process group's store)."""
+        if shares is None:  # uniform within the memory bounds: one exchange of the bounds
             bound = max_samples if isinstance(max_samples, int) else None
-            bounds = [m for _, m in gather_capabilities(1.0, bound, group)]
+            bounds = [p["bound"] for p in self.exchange.gather({"sps": 1.0, "bound": bound})]
             self.shares = (uniform_shares(global_batch, self.world_size) if all(m is None for m in bounds)
                            else decide_shares(global_batch, [1.0] * self.world_size, bounds))
         else:
@@ -125,12 +144,13 @@ class SpeedBalancer:
     def global_batch(self) -> int:
         return self.shares.global_batch
 
-    def sampler(self, data, *, shuffle: bool = True, seed: int = 0) -> BalancedBatchSampler:
+    def sampler(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0) -> BalancedBatchSampler:
         """A batch sampler that follows this balancer's shares (pass as ``batch_sampler=``)."""
         return BalancedBatchSampler(data, self, shuffle=shuffle, seed=seed)
 
-    def attach(self, ddp_model: Any, *, comm: str = "auto", inner_hook: Any = None, inner_state: Any = None,
-               inner_averages: bool = True, mixed: Any = None) -> WeightedHookState:
+    def attach(self, ddp_model: DistributedDataParallel, *, comm: str = "auto",
+               inner_hook: Callable[..., Any] | None = None, inner_state: Any = None, inner_averages: bool = True,
+               mixed: MixedComm | None = None) -> WeightedHookState:
         """Register the weighted comm hook on a ``DistributedDataParallel`` model (collective: all ranks call it).
 
         ``comm``: "torch" reduces with torch.distributed; "memrt" with memrt.comm's topology-aware DDP hook
@@ -155,7 +175,7 @@ class SpeedBalancer:
                                "construction): build the DDP model without it and call attach(ddp, comm='memrt'), "
                                "which composes both") from exc
         self._hook_attached = True
-        self._module = getattr(ddp_model, "module", ddp_model)
+        self._module = ddp_model.module
         # compute is timed from the module's own forward: DDP's buffer broadcast before it waits for peers
         self._module.register_forward_pre_hook(lambda _m, _args: st.note_forward())
         return st
@@ -165,7 +185,6 @@ class SpeedBalancer:
         if self.max_samples != "plan":
             return self.max_samples
         import memrt
-        from memrt.balance.capability import max_samples_from_plan
 
         plan = memrt.plan_of(self._module) if self._module is not None else None
 
@@ -173,7 +192,7 @@ class SpeedBalancer:
             return None
         try:
             return max_samples_from_plan(plan, self.shares.per_rank[self.rank])
-        except ValueError as exc:  # never raise on one rank only: the others wait in the all-gather
+        except ValueError as exc:  # never raise on one rank only: the others wait in the exchange
             logger.warning("rank %d: %s; bounding it at 1 sample per step", self.rank, exc)
             return 1
 
@@ -199,20 +218,19 @@ class SpeedBalancer:
             self.rebalance()
 
     def rebalance(self) -> Decision:
-        """The collective: all-gather capabilities, decide on every rank alike. All ranks must call it."""
+        """The exchange, then the same decision on every rank. All ranks must call it."""
         self._since_check = 0
         mine = self.meter.samples_per_s()
-        gathered = gather_capabilities(mine if mine is not None else 0.0, self.memory_bound(), self.group)
-        speeds = tuple(s for s, _ in gathered)
-        bounds = tuple(m for _, m in gathered)
+        everyone = self.exchange.gather({"sps": mine if mine is not None else 0.0, "bound": self.memory_bound()})
+        speeds = tuple(float(p["sps"]) for p in everyone)
+        bounds = tuple(p["bound"] for p in everyone)
         old = self.shares
         new, gain = old, 0.0
         if all(s > 0 for s in speeds):
-            proposal = decide_shares(self.global_batch, speeds, bounds)
-            over = any(m is not None and b > m for b, m in zip(old.per_rank, bounds))
-            gain = 1.0 - predicted_step_seconds(proposal, speeds) / predicted_step_seconds(old, speeds)
-            if proposal != old and (over or gain >= self.config.min_gain):
-                new = proposal
+            proposal = propose(old, speeds, bounds)
+            gain = proposal.gain
+            if proposal.shares != old and (proposal.over or gain >= self.config.min_gain):
+                new = proposal.shares
         decision = Decision(step=self.steps, samples_per_s=speeds, max_samples=bounds, shares=new.per_rank,
                             changed=new != old, predicted_gain=gain)
         self.decisions.append(decision)
@@ -224,7 +242,7 @@ class SpeedBalancer:
         return decision
 
 
-def _memrt_comm_hook(ddp_model: Any, *, required: bool) -> tuple[Any, Any]:
+def _memrt_comm_hook(ddp_model: DistributedDataParallel, *, required: bool) -> tuple[Callable[..., Any] | None, Any]:
     """(memrt.comm.ddp_comm_hook, its state) when wanted (``required``, or more than one node), else (None, None)."""
     import memrt.comm as mcomm
 

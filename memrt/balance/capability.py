@@ -1,8 +1,8 @@
 """What a rank can do: measured samples/s at its current micro-batch, and how many samples its memory holds.
 
-Throughput is *compute* throughput: the seconds from the start of a step to the moment the rank's last
-gradient bucket is ready (the DDP hook notes it), so time spent waiting for slower ranks in the
-all-reduce does not count against a fast rank. Without the hook the whole step is timed.
+Throughput is the rank's own work per step, never its wait for slower ranks (what is timed:
+:mod:`memrt.balance.timing` under ``MEMRT=1``, the step's compute up to the last gradient bucket for a
+``SpeedBalancer``); :class:`ThroughputMeter` keeps the median samples/s of the latest steps.
 
 The memory bound comes from a budget: ``(budget - fixed bytes) // bytes per sample``, where the fixed
 bytes are parameters, gradients and optimizer state and the per-sample bytes are the activations saved
@@ -13,17 +13,21 @@ planner's plan supplies them, :func:`max_samples_from_plan`).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-__all__ = ["Capability", "ThroughputMeter", "estimate_sample_bytes", "max_samples_for_budget",
-           "max_samples_from_plan"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Capability", "PlanFigures", "StepTiming", "ThroughputMeter", "estimate_sample_bytes",
+           "max_samples_for_budget", "max_samples_from_plan"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Capability:
-    """One rank's figures, as all-gathered for the share decision."""
+    """One rank's figures, as exchanged for the share decision."""
 
     samples_per_s: float
     """Measured compute throughput at the current micro-batch (samples per second)."""
@@ -37,8 +41,26 @@ class Capability:
             raise ValueError(f"max_samples={self.max_samples!r} is not valid: expected >= 1 or None")
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepTiming:
+    """One timed training step."""
+
+    samples: int
+    """Samples this rank took in the step."""
+    seconds: float
+    """Seconds of the step's window (between all-reduces on the host under ``MEMRT=1``, else the compute)."""
+    forward_seconds: float
+    """Seconds from the forward to the last gradient bucket (what every rank can time, the host as CUDA)."""
+
+
 class ThroughputMeter:
-    """Sliding window of (samples, seconds) per step; the first ``warmup_steps`` after a reset are ignored."""
+    """A rank's speed: the median samples/s of its latest ``window_steps`` timed steps.
+
+    The one speed window of both ways in (``SpeedBalancer`` and ``MEMRT=1``): the median, so a step that
+    also ran something else (an evaluation, a checkpoint) does not move it. The first ``warmup_steps`` steps
+    after a :meth:`reset` are not timed; :meth:`skip` leaves out the next steps without forgetting the window
+    (``MEMRT=1`` after a share change: samples/s barely depend on the share, the older steps still count).
+    """
 
     def __init__(self, *, window_steps: int = 8, warmup_steps: int = 1) -> None:
         if window_steps < 1:
@@ -47,28 +69,46 @@ class ThroughputMeter:
             raise ValueError(f"warmup_steps={warmup_steps} is not valid: expected >= 0")
         self.window_steps = window_steps
         self.warmup_steps = warmup_steps
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window_steps)
-        self._seen = 0
+        self._steps: deque[StepTiming] = deque(maxlen=window_steps)
+        self._skip = warmup_steps
 
     def reset(self) -> None:
-        """Forget the window (after the micro-batch changed)."""
+        """Forget the window and skip the warm-up steps again (after the micro-batch changed)."""
         self._steps.clear()
-        self._seen = 0
+        self._skip = self.warmup_steps
 
-    def add(self, samples: int, seconds: float) -> None:
-        self._seen += 1
-        if self._seen > self.warmup_steps and seconds > 0:
-            self._steps.append((samples, seconds))
+    def skip(self, steps: int) -> None:
+        """Leave the next ``steps`` steps out (the window stays)."""
+        self._skip = max(0, steps)
+
+    def admit(self) -> bool:
+        """Whether the step closing now is timed (False while warm-up or skipped steps remain)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def record(self, samples: int, seconds: float, forward_seconds: float | None = None) -> None:
+        """Put an admitted step in the window (CUDA: once its events completed)."""
+        if seconds > 0 and samples > 0:
+            fwd = seconds if forward_seconds is None else forward_seconds
+            self._steps.append(StepTiming(samples=samples, seconds=seconds, forward_seconds=fwd))
+
+    def add(self, samples: int, seconds: float, forward_seconds: float | None = None) -> None:
+        """One step: ``samples`` in ``seconds`` (``forward_seconds``: the forward-to-last-bucket part)."""
+        if self.admit():
+            self.record(samples, seconds, forward_seconds)
 
     @property
     def measured_steps(self) -> int:
         return len(self._steps)
 
-    def samples_per_s(self) -> float | None:
-        """Samples over seconds in the window; None before any measured step."""
-        if not self._steps:
-            return None
-        return sum(s for s, _ in self._steps) / sum(t for _, t in self._steps)
+    def samples_per_s(self, *, forward: bool = False) -> float | None:
+        """The median samples/s of the window (``forward``: of the forward-to-last-bucket windows); None
+        before any timed step."""
+        rates = [t.samples / (t.forward_seconds if forward else t.seconds) for t in self._steps
+                 if (t.forward_seconds if forward else t.seconds) > 0]
+        return statistics.median(rates) if rates else None
 
 
 def max_samples_for_budget(budget_bytes: int, fixed_bytes: int, bytes_per_sample: float) -> int:
@@ -82,7 +122,8 @@ def max_samples_for_budget(budget_bytes: int, fixed_bytes: int, bytes_per_sample
     return n
 
 
-def estimate_sample_bytes(model: Any, make_batch: Callable[[int], Any], loss_fn: Callable[[Any, Any], Any],
+def estimate_sample_bytes(model: torch.nn.Module, make_batch: Callable[[int], tuple[Any, Any]],
+                          loss_fn: Callable[[Any, Any], torch.Tensor],
                           *, batch_sizes: tuple[int, int] = (1, 2)) -> float:
     """Bytes of activations saved for backward per sample, from two forward passes (no backward).
 
@@ -111,18 +152,26 @@ def estimate_sample_bytes(model: Any, make_batch: Callable[[int], Any], loss_fn:
     return max(1.0, (saved_bytes(large) - saved_bytes(small)) / (large - small))
 
 
-def max_samples_from_plan(plan: Any, micro_batch: int) -> int | None:
+class PlanFigures(Protocol):
+    """What the memory bound reads from a memory plan (``memrt.memory.planner.Plan`` has these fields)."""
+
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None
+    margin_bytes: int
+
+
+def max_samples_from_plan(plan: PlanFigures, micro_batch: int) -> int | None:
     """Memory bound from a memrt memory ``Plan`` made at ``micro_batch`` samples; None if it has no budget.
 
-    The plan's peak (measured when known, else predicted) splits into a fixed part (``fixed_bytes`` when
-    the plan reports it, else 0: conservative) and activations assumed linear in the micro-batch; the
-    budget less the planner's ``margin_bytes`` is what may be filled.
+    The plan's peak (measured when known, else predicted) is taken as activations linear in the
+    micro-batch (no fixed part: conservative); the budget less the planner's ``margin_bytes`` is what may
+    be filled.
     """
-    budget = getattr(plan, "budget_bytes", None)
-    peak = getattr(plan, "measured_peak_bytes", None) or getattr(plan, "predicted_peak_bytes", None)
+    budget = plan.budget_bytes
+    peak = plan.measured_peak_bytes or plan.predicted_peak_bytes
     if not budget or not peak or micro_batch < 1:
         return None
-    fixed = int(getattr(plan, "fixed_bytes", 0) or 0)
-    usable = int(budget) - int(getattr(plan, "margin_bytes", 0) or 0)
-    per_sample = max(1.0, (peak - fixed) / micro_batch)
-    return max_samples_for_budget(usable, fixed, per_sample)
+    usable = int(budget) - int(plan.margin_bytes or 0)
+    per_sample = max(1.0, peak / micro_batch)
+    return max_samples_for_budget(usable, 0, per_sample)

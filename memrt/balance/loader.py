@@ -17,6 +17,8 @@ as stock does, and replayed to each rank's shard), concatenates the ranks' k-th 
 global batch k — exactly the stock sample set of step k — and hands rank r a slice of it. While the shares
 are the stock ones (before any decision, or when balancing does not pay) the slice IS rank r's stock
 batch, index for index; the number of batches per iteration is always the stock one.
+The explicit API's :class:`~memrt.balance.sampler.BalancedBatchSampler` is this sampler over one more
+source (a seeded permutation cut into global batches) whose shares are read live from its ``SpeedBalancer``.
 
 Shares change only at a position ``(iteration, batch index)`` that no rank has drawn yet (agreed in the
 controller's exchange), so prefetching DataLoader workers never mix two share vectors in one global batch.
@@ -31,26 +33,62 @@ import copy
 import itertools
 import logging
 from collections import deque
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from memrt.balance.shares import decide_shares
 
-__all__ = ["ShareSampler", "balanced_sampler_for", "unbalanced_reason", "note_consumed_inner"]
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+__all__ = ["BatchSource", "ShareSampler", "balanced_sampler_for", "unbalanced_reason", "note_consumed_inner"]
 
 logger = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    """Every rank's stock batches of one data-parallel batch source (what :class:`ShareSampler` re-splits)."""
+
+    kind: str
+    """For messages: what the source is."""
+    rank: int
+    world: int
+    equal_chunks: bool
+    """True: the ranks' k-th batches are re-split only when they have equal sizes (else stock)."""
+    batch_size: int | None
+    drop_last: bool
+
+    @property
+    def sampler(self) -> Any:
+        """The script's sampler (``loader.sampler``, ``set_epoch`` callers reach it); None if none."""
+        ...
+
+    @property
+    def wrapped(self) -> Any:
+        """The object whose other attributes the share sampler passes through (None: none)."""
+        ...
+
+    def full_batch(self) -> int: ...
+    def __len__(self) -> int: ...
+    def per_rank_batches(self) -> list[list[list[int]]]: ...
+    def set_epoch(self, epoch: int) -> None: ...
 
 
 class _DistributedSource:
     """Stock batches of ``DataLoader(batch_size=b, sampler=DistributedSampler, drop_last=d)`` for every rank."""
 
     kind = "DistributedSampler"
+    equal_chunks = True
 
-    def __init__(self, sampler: Any, batch_size: int, drop_last: bool) -> None:
+    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool) -> None:
         self.sampler = sampler
-        self.batch_size = batch_size
+        self.batch_size: int | None = batch_size
         self.drop_last = drop_last
         self.world = int(sampler.num_replicas)
         self.rank = int(sampler.rank)
+
+    @property
+    def wrapped(self) -> Any:
+        return self.sampler
 
     def full_batch(self) -> int:
         return self.batch_size * self.world
@@ -110,11 +148,18 @@ class _AccelerateSource:
     """Stock batches of accelerate's ``BatchSamplerShard`` for every rank (one pass over the shared sampler)."""
 
     kind = "accelerate BatchSamplerShard"
+    equal_chunks = True
 
     def __init__(self, shard: Any) -> None:
         self.shard = shard
         self.world = int(shard.num_processes)
         self.rank = int(shard.process_index)
+        self.batch_size: int | None = shard.batch_size
+        self.drop_last = False
+
+    @property
+    def wrapped(self) -> Any:
+        return self.shard
 
     @property
     def sampler(self) -> Any:
@@ -144,7 +189,8 @@ class _AccelerateSource:
                 return
 
 
-def unbalanced_reason(dataset: Any, sampler: Any, batch_sampler: Any, batch_size: Any) -> str | None:
+def unbalanced_reason(dataset: Dataset, sampler: Sampler | None, batch_sampler: Any,
+                      batch_size: int | None) -> str | None:
     """Why a DataLoader built with these arguments stays as it is, or None when memrt can balance it."""
     from torch.utils.data import DistributedSampler, IterableDataset
 
@@ -177,7 +223,8 @@ def _is_accelerate_shard(obj: Any) -> bool:
     return type(obj).__name__ == "BatchSamplerShard" and type(obj).__module__.startswith("accelerate")
 
 
-def balanced_sampler_for(sampler: Any, batch_sampler: Any, batch_size: Any, drop_last: bool) -> "ShareSampler":
+def balanced_sampler_for(sampler: DistributedSampler | None, batch_sampler: Any, batch_size: int | None,
+                         drop_last: bool) -> ShareSampler:
     """The :class:`ShareSampler` for a DataLoader's arguments (``unbalanced_reason`` returned None)."""
     if batch_sampler is not None and _is_plain_batch_sampler(batch_sampler):
         return ShareSampler(_DistributedSource(batch_sampler.sampler, int(batch_sampler.batch_size),
@@ -190,15 +237,14 @@ def balanced_sampler_for(sampler: Any, batch_sampler: Any, batch_size: Any, drop
 class ShareSampler:
     """A batch sampler yielding this rank's share of every stock global batch (see the module docstring)."""
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: BatchSource) -> None:
         self.source = source
         self.rank = source.rank
         self.world = source.world
         self.sampler = source.sampler
         """The wrapped sampler (``set_epoch`` callers reach it as before)."""
-        self.batch_size = getattr(source, "batch_size", None) or getattr(getattr(source, "shard", None),
-                                                                          "batch_size", None)
-        self.drop_last = getattr(source, "drop_last", False)
+        self.batch_size = source.batch_size
+        self.drop_last = source.drop_last
         self.iteration = -1
         """Iterations started (``iter()`` calls); -1 before the first."""
         self.drawn = 0
@@ -286,7 +332,7 @@ class ShareSampler:
                weighting: str) -> tuple[list[int], float]:
         sizes = [len(c) for c in chunks]
         total = sum(sizes)
-        if shares is None or total < self.world or len(set(sizes)) != 1:
+        if shares is None or total < self.world or (self.source.equal_chunks and len(set(sizes)) != 1):
             return chunks[self.rank], 1.0  # stock: DDP's averaging is right as it is
         glob = list(itertools.chain.from_iterable(chunks))
         per_rank = shares if total == sum(shares) else decide_shares(total, [float(s) for s in shares]).per_rank
@@ -298,9 +344,10 @@ class ShareSampler:
     def __getattr__(self, name: str) -> Any:
         """Anything else is the wrapped object's (accelerate reads ``batch_sampler``, ``num_processes``, ...)."""
         source = self.__dict__.get("source")
-        if source is None or name.startswith("__"):
+        target = None if source is None or name.startswith("__") else source.wrapped
+        if target is None:
             raise AttributeError(name)
-        return getattr(getattr(source, "shard", None) or source.sampler, name)
+        return getattr(target, name)
 
     def note_consumed(self) -> None:
         """The training loop received the next batch (in draw order)."""

@@ -1,8 +1,8 @@
-"""Shares of a global batch: the deterministic rule and the one collective that feeds it.
+"""Shares of a global batch and the deterministic rule that sets them.
 
-Every rank all-gathers its :class:`~memrt.balance.capability.Capability` (samples/s, most samples its
-memory holds) in one collective, then runs :func:`decide_shares` on the identical gathered values, so
-every rank computes the same shares without any further message.
+Every rank exchanges its figures (samples/s, most samples its memory holds; :mod:`memrt.balance.exchange`),
+then runs :func:`decide_shares` on the identical exchanged values, so every rank computes the same shares
+without any further message.
 
 The rule: rank r's ideal share is ``B * s_r / sum(s)`` (s = measured samples/s), clamped to
 ``[min_share, max_samples_r]`` with the excess of clamped ranks spread over the others in proportion to
@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Shares", "decide_shares", "predicted_step_seconds", "gather_capabilities", "uniform_shares"]
+__all__ = ["Shares", "decide_shares", "predicted_step_seconds", "uniform_shares"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -131,18 +131,3 @@ def decide_shares(global_batch: int, speeds: Sequence[float], max_samples: Seque
 def predicted_step_seconds(shares: Shares, speeds: Sequence[float]) -> float:
     """Synchronous step time predicted from per-rank speeds: the slowest rank's ``b_r / s_r``."""
     return max(b / s for b, s in zip(shares.per_rank, speeds))
-
-
-def gather_capabilities(samples_per_s: float, max_samples: int | None, group=None) -> list[tuple[float, int | None]]:
-    """One all-gather of (samples/s, memory bound) over ``group``; the same list on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor([float(samples_per_s), -1.0 if max_samples is None else float(max_samples)],
-                        dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    rows = [t.cpu().tolist() for t in out]
-    return [(s, None if m < 0 else int(m)) for s, m in rows]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,11 @@ from memrt.memory.instrument import Instrumentation, UnitCall
 from memrt.memory.recompute import run_recomputed
 from memrt.memory.units import expect_module, find_units
 
-__all__ = ["ActionHandler", "ApplyHandle", "Instrumentation", "apply", "register_action", "registered_actions"]
+if TYPE_CHECKING:
+    from memrt.memory.planner import Plan
+
+__all__ = ["ActionHandler", "ApplyHandle", "Instrumentation", "applied_plan", "apply", "register_action",
+           "registered_actions", "remove"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,8 @@ class ApplyContext:
         self._model = weakref.ref(model)
         self.device, self.offload_dir = device, offload_dir
         self.engines: dict[str, Any] = {}
+        self.plan: Plan | None = None
+        """The plan in force (offload engines size themselves from it)."""
 
     @property
     def model(self) -> nn.Module | None:
@@ -93,7 +99,7 @@ register_action("recompute", _recompute)
 class ApplyHandle:
     """Plan in force on a model: unit calls are numbered per step and dispatched by action."""
 
-    def __init__(self, model: nn.Module, plan: Any, *, units: Sequence[str] | None = None,
+    def __init__(self, model: nn.Module, plan: Plan | None, *, units: Sequence[str] | None = None,
                  offload_dir: str | None = None, on_step: Callable[[tuple, dict], None] | None = None,
                  unit_call: UnitCall | None = None, on_other: Callable[[], None] | None = None,
                  on_output: Callable[[Any], None] | None = None) -> None:
@@ -111,21 +117,26 @@ class ApplyHandle:
                                     on_other=on_other, on_output=on_output)
         self.set_plan(plan)
 
-    def set_plan(self, plan: Any) -> None:
+    def override(self, unit_call: UnitCall | None) -> None:
+        """Route every unit call of a step with grad enabled through ``unit_call`` (a profile's), whatever the
+        plan says; None: back to the plan's actions."""
+        self._override = unit_call
+
+    def set_plan(self, plan: Plan | None) -> None:
         self.plan = plan
         self.context.plan = plan  # offload engines size themselves from it
         from memrt.memory.compiled import compiled_action
 
         actions: dict[str, str] = {}
         fallbacks: dict[str, str] = {}
-        for u in getattr(plan, "units", ()) if plan is not None else ():
+        for u in plan.units if plan is not None else ():
             act = compiled_action(u.action)  # a unit called several times: recomputed if any call is
             if act == "recompute" or u.name not in actions:
                 actions[u.name] = act
             if act != u.action:
                 fallbacks[u.name] = u.action
         self.inst.compiled_actions = actions
-        budget = getattr(plan, "compiled_budget", None)
+        budget = plan.compiled_budget if plan is not None else None
         self.inst.compiled_budget = "" if budget is None else str(budget)
         self.inst.compiled_fallbacks = fallbacks  # said when a compiled graph traces the unit
 
@@ -174,6 +185,12 @@ def apply(model: nn.Module, plan: Any, *, units: Sequence[str] | None = None, of
         old.remove()
     _HANDLES[model] = ApplyHandle(model, plan, units=units, offload_dir=offload_dir)
     return model
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan :func:`apply` put in force on ``model`` (None where it put none, or :func:`apply` was not used)."""
+    h = _HANDLES.get(model)
+    return h.plan if h is not None else None
 
 
 def remove(model: nn.Module) -> bool:

@@ -45,7 +45,7 @@ def input_shapes(args: Any, kwargs: Any) -> list[Shape]:
 
 
 def signature_of(shapes: Sequence[Shape]) -> str:
-    """The signature string of a list of shapes (the format of :func:`memrt.memory.profile.input_signature`)."""
+    """The signature string of a list of shapes: ``(dims):dtype:device`` per tensor, joined by ``|``."""
     return "|".join(f"{dims}:{dtype}:{device}" for dims, dtype, device in shapes)
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memrt.memory.meter import graphs_compiled, status_bytes
+from memrt.memory.meter import Meter, graphs_compiled, status_bytes
 from memrt.memory.trees import tensor_leaves
 
 __all__ = ["compiled_action", "shadow_profile", "COMPILED_ACTIONS", "CompiledCpuMeter",
@@ -208,7 +208,7 @@ class _RssSampler:
         return self.highest
 
 
-class CompiledCpuMeter:
+class CompiledCpuMeter(Meter):
     """The peak of a compiled CPU step from resident memory (a dispatch mode does not see inductor's buffers).
 
     ``peak`` = bytes of the tensors known at the start (parameters, inputs, optimizer state) + the growth
@@ -238,19 +238,14 @@ class CompiledCpuMeter:
         return graphs_compiled() == self._graphs
 
     def start(self, extra: Any = ()) -> None:
-        from memrt.memory.profile import _storage_ids
+        from memrt.memory.profile import storage_bytes
 
         self._graphs = graphs_compiled()
-        self._known = sum(_storage_ids([t for t in extra if isinstance(t, torch.Tensor)]).values())
+        self._known = sum(storage_bytes([t for t in extra if isinstance(t, torch.Tensor)]).values())
         self._rss0 = _status_bytes("VmRSS")
         self._hwm0 = _status_bytes("VmHWM")
         self._sampler = _RssSampler()
         self._frozen = None
-
-    @property
-    def mark_rose(self) -> bool:
-        """Whether the high-water mark rose since :meth:`start` (then the peak is exact)."""
-        return _status_bytes("VmHWM") > self._hwm0
 
     def _now(self) -> int:
         hwm = _status_bytes("VmHWM")
@@ -286,7 +281,7 @@ class CompiledCpuMeter:
         return self._frozen if self._frozen is not None else self._now()
 
 
-def compiled_meter(device: torch.device) -> Any:
+def compiled_meter(device: torch.device) -> Meter:
     """The meter for a compiled step: allocator statistics on CUDA, :class:`CompiledCpuMeter` on CPU."""
     if device.type == "cpu":
         return CompiledCpuMeter()

@@ -39,6 +39,14 @@ class Meter:
     def track(self, tensors: Iterable[Any]) -> None: ...
     @property
     def peak(self) -> int: raise NotImplementedError
+    @property
+    def valid(self) -> bool:
+        """False when the reading does not stand for the step (torch compiled during it): measure again."""
+        return True
+    @property
+    def resident_peak(self) -> int | None:
+        """The step's peak as the process's resident memory shows it; None where this meter reads none."""
+        return None
 
 
 def status_bytes(field: str) -> int | None:

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -34,7 +34,10 @@ from memrt.errors import BudgetError
 from memrt.memory.options import UnitOption, option_sources
 from memrt.memory.profile import Profile, UnitProfile
 
-__all__ = ["UnitOption", "UnitPlan", "Plan", "plan", "base_options", "min_feasible_budget", "predict_peak"]
+if TYPE_CHECKING:
+    from memrt.config import MemrtConfig
+
+__all__ = ["UnitOption", "UnitPlan", "Plan", "plan", "base_options", "min_feasible_budget"]
 
 logger = logging.getLogger(__name__)
 _INF = np.iinfo(np.int64).max // 4
@@ -318,7 +321,7 @@ def _peak(m: _Model, pick: Sequence[int]) -> int:
 
 
 def _options_fn(profile: Profile, offload: str | None, bandwidths: Any, extra: OptionsFn | None,
-                config: Any = None) -> OptionsFn:
+                config: MemrtConfig | None = None) -> OptionsFn:
     proposed: list[OptionsFn] = []
     if offload not in (None, "none"):
         sources = option_sources()
@@ -348,7 +351,8 @@ def _expect_profile(api: str, profile: Any) -> None:
 
 
 def min_feasible_budget(profile: Profile, *, offload: str | None = None, bandwidths: Any = None,
-                        extra_options: OptionsFn | None = None, resolution: int = 2048, config: Any = None) -> int:
+                        extra_options: OptionsFn | None = None, resolution: int = 2048,
+                        config: MemrtConfig | None = None) -> int:
     """The smallest budget (bytes) under which some plan fits, by the memory model."""
     _expect_profile("memrt.memory.min_feasible_budget", profile)
     m = _build(profile, _options_fn(profile, offload, bandwidths, extra_options, config))
@@ -386,16 +390,9 @@ def recompute_all_plan(profile: Profile, budget: int | None = None) -> Plan:
                     margin_bytes=0, t0=t0)
 
 
-def predict_peak(profile: Profile, actions: Sequence[str]) -> int:
-    """Predicted peak of a step where unit call k takes ``actions[k]`` (keep/recompute)."""
-    m = _build(profile, base_options)
-    pick = [[o.action for o in m.options[k]].index(a) for k, a in enumerate(actions)]
-    return _peak(m, pick)
-
-
 def plan(profile: Profile, budget: int | str | None = None, *, margin_bytes: int = 0, offload: str | None = None,
          bandwidths: Any = None, extra_options: OptionsFn | None = None, resolution: int = 512,
-         config: Any = None) -> Plan:
+         config: MemrtConfig | None = None) -> Plan:
     """Least added time with the predicted peak <= ``budget - margin_bytes``.
 
     ``budget``: bytes, a size string ("3GiB"), or None (no limit: keep everything). ``offload``: None/"none"

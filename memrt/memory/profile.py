@@ -25,7 +25,7 @@ from memrt.memory.meter import Meter, make_meter
 from memrt.memory.recompute import RecomputeHooks, run_recomputed
 from memrt.memory.units import expect_module, find_units, structure_key
 
-__all__ = ["Constraint", "Profile", "UnitProfile", "ProfileSession", "profile", "input_signature", "model_device"]
+__all__ = ["Constraint", "Profile", "UnitProfile", "ProfileSession", "profile", "model_device", "storage_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,19 +136,12 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def input_signature(args: Any, kwargs: Any) -> str:
-    parts = []
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor):
-            parts.append(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}:{t.device}")
-    return "|".join(parts)
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
-def _storage_ids(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage of ``tensors``, by storage id (tensors without a storage are left out)."""
     out: dict[int, int] = {}
     for t in tensors:
         try:
@@ -196,8 +189,8 @@ class ProfileSession:
         self._model = weakref.ref(model)
         self.meter: Meter = make_meter(device)
         self.profile = Profile(device=str(device), structure=structure_key(model, units))
-        self.param_ids = set(_storage_ids(list(model.parameters()) + list(model.buffers())))
-        self.profile.param_bytes = sum(_storage_ids(list(model.parameters()) + list(model.buffers())).values())
+        self.param_ids = set(storage_bytes(list(model.parameters()) + list(model.buffers())))
+        self.profile.param_bytes = sum(storage_bytes(list(model.parameters()) + list(model.buffers())).values())
         self._prefix_inputs = [0]  # cumulative input bytes of unit calls
         self._calls: dict[str, int] = {}
         self._state: tuple[str, int] = ("fwd", 0)
@@ -320,7 +313,7 @@ class ProfileSession:
         self._calls[name] = call + 1
         self._state = ("fwd", k)
         self._close_segment()
-        inputs = _storage_ids([t for t in _tensors((args, kwargs))])
+        inputs = storage_bytes([t for t in _tensors((args, kwargs))])
         in_bytes = sum(n for s, n in inputs.items() if s not in self.param_ids)
         up = UnitProfile(index=k, name=name, call=call, input_bytes=in_bytes)
         self.profile.units.append(up)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from memrt.memory.offload.bandwidth import Bandwidths, load_bandwidths, probe_bandwidths
 from memrt.memory.offload.engine import TIERS, OffloadEngine, OffloadStats, plan_bytes
 from memrt.memory.offload.errors import OffloadError
-from memrt.memory.offload.options import OFFLOAD_ACTIONS, offload_options
+from memrt.memory.offload.options import OFFLOAD_ACTIONS, UnitCosts, offload_options
 from memrt.memory.offload.wrap import OffloadHandle, offload_units, recompute_offload
 from memrt.memory.offload import plugin  # noqa: F401  (registers the tiers' options and actions)
 
@@ -26,6 +26,7 @@ __all__ = [
     "OffloadHandle",
     "OffloadStats",
     "TIERS",
+    "UnitCosts",
     "load_bandwidths",
     "offload_options",
     "offload_units",

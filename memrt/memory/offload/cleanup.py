@@ -27,7 +27,7 @@ from memrt.exits import on_hard_exit
 from memrt.launcher import pid_alive
 
 __all__ = ["make_private_dir", "make_folder_chain", "register_dir", "register_file", "forget_file", "remove_dir",
-           "registered_dirs", "sweep_stale_dirs", "pid_alive", "remove_all_own"]
+           "sweep_stale_dirs", "pid_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +133,6 @@ def remove_dir(path: str | os.PathLike) -> None:
         _rmtree(key)
 
 
-def registered_dirs() -> list[str]:
-    with _lock:
-        return [p for p, pid in _dirs.items() if pid == os.getpid()]
-
-
 def sweep_stale_dirs(parent: str | os.PathLike) -> int:
     """Remove ``memrt-offload-<this host>-<pid>-*`` folders in ``parent`` whose process is gone; return how many.
 
@@ -170,11 +165,6 @@ def _rmtree(path: str) -> None:
         if not os.path.exists(path):
             return
     logger.warning("could not remove offload folder %s; remove it by hand", path)
-
-
-def remove_all_own() -> None:
-    """Remove every folder and file this process registered, now (before an ``os._exit``, which skips atexit)."""
-    _remove_all_own()
 
 
 def _remove_all_own() -> None:

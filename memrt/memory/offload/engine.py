@@ -450,10 +450,6 @@ class OffloadEngine:
         make a step O(n^2) in its saved tensors)."""
         return self._held.bytes
 
-    @property
-    def _held_peak(self) -> int:
-        return self._held.peak
-
     def _trace(self, name: str, start: float, end: float, **args) -> None:
         from memrt.profiling.recorder import get_recorder
 

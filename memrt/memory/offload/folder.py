@@ -28,9 +28,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from memrt.memory.offload import cleanup
+
+if TYPE_CHECKING:
+    import torch
+
+    from memrt.config import MemrtConfig
+    from memrt.memory.planner import Plan
+    from memrt.memory.profile import Profile
 
 __all__ = ["MARGIN", "FolderCheck", "check_folder", "usable_tiers", "room_for", "room_left", "sweep_stale_reservations"]
 
@@ -173,7 +180,8 @@ def check_folder(parent: str | os.PathLike | None, need_bytes: int, *, margin: f
     return check
 
 
-def usable_tiers(profile: Any, offload: str | None, device: Any, config: Any = None) -> tuple[str, ...]:
+def usable_tiers(profile: Profile, offload: str | None, device: str | torch.device,
+                 config: MemrtConfig | None = None) -> tuple[str, ...]:
     """The offload tiers the planner may use for ``profile`` with ``MEMRT_OFFLOAD=offload`` on ``device``.
 
     The disk tier needs a folder that exists or can be created and that this process can write; whether
@@ -195,7 +203,7 @@ def usable_tiers(profile: Any, offload: str | None, device: Any, config: Any = N
     return tuple(tiers)
 
 
-def room_for(plan: Any, config: Any = None) -> bool:
+def room_for(plan: Plan, config: MemrtConfig | None = None) -> bool:
     """Whether the disk tier's folder has room for ``plan`` (and every other plan sharing it); reserves it.
 
     False after one warning when it has not: the disk tier is then left out of this process's plans
@@ -206,7 +214,7 @@ def room_for(plan: Any, config: Any = None) -> bool:
     return need == 0 or _verdict(need, config).problem is None
 
 
-def _verdict(need: int, config: Any = None) -> "FolderCheck":
+def _verdict(need: int, config: MemrtConfig | None = None) -> FolderCheck:
     """The folder's check for a plan writing ``need`` bytes (0: usable at all), warned once when it fails."""
     if config is None:  # called on its own: the environment's settings
         from memrt.config import load_config

@@ -21,60 +21,100 @@ Cost model (per unit, per step), from measured bandwidths (:mod:`.bandwidth`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import torch
 
 from memrt.memory.offload.bandwidth import Bandwidths
 from memrt.memory.options import UnitOption
+from memrt.memory.profile import UnitProfile
 
-__all__ = ["OFFLOAD_ACTIONS", "offload_options", "UnitOption"]
+__all__ = ["OFFLOAD_ACTIONS", "UnitCosts", "offload_options", "UnitOption"]
 
 OFFLOAD_ACTIONS = ("offload_disk", "offload_host", "recompute+offload_disk", "recompute+offload_host")
 
-def _get(profile: Any, names: Sequence[str], default: Any = None) -> Any:
-    for n in names:
-        v = getattr(profile, n, None)
-        if v is not None:
-            return v
-    if default is None:
-        raise TypeError(f"unit profile {type(profile).__name__} has none of {', '.join(names)}")
-    return default
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class UnitCosts:
+    """What the offload cost model reads of one unit call (a :class:`memrt.memory.profile.UnitProfile` gives
+    all of it; :meth:`of` also takes any object with at least ``saved_bytes`` and ``forward_seconds``)."""
+
+    saved_bytes: int
+    """Bytes autograd saves for backward inside the unit."""
+    forward_seconds: float
+    """Seconds of the unit's forward (it hides the writes, and a recompute repeats it)."""
+    backward_seconds: float | None = None
+    """Seconds of the unit's backward (it hides the prefetch); None: twice the forward."""
+    offloadable_bytes: int | None = None
+    """Saved bytes that can leave the device (at most ``saved_bytes``); None: all of them."""
+    input_bytes: int | None = None
+    """Bytes of the unit's tensor inputs, what ``recompute+offload_<tier>`` moves; None or 0: no such option."""
+    saved_not_input_bytes: int | None = None
+    """Saved bytes that are not inputs; None: ``saved_bytes - input_bytes``."""
+    backward_transient_bytes: int = 0
+    """Peak above the backward's start after the recompute, as measured with the unit recomputed."""
+    backward_recompute_transient_bytes: int = 0
+    """Peak above the backward's start while the unit replays its forward."""
+    forward_keep_transient_bytes: int | None = None
+    """Peak above the forward's start when the unit's saved tensors are kept (None: not measured)."""
+    forward_recompute_transient_bytes: int | None = None
+    """Peak above the forward's start when nothing is kept (None: not measured)."""
+
+    @classmethod
+    def of(cls, unit: UnitProfile | UnitCosts | Any) -> UnitCosts:
+        """The costs of ``unit``: a :class:`UnitCosts`, a :class:`UnitProfile`, or another object with attributes
+        named as this class's fields (``saved_bytes`` and ``forward_seconds`` at least; None counts as absent)."""
+        if isinstance(unit, UnitCosts):
+            return unit
+        if isinstance(unit, UnitProfile):
+            return cls(saved_bytes=unit.saved_bytes, forward_seconds=unit.forward_seconds,
+                       input_bytes=unit.input_bytes, saved_not_input_bytes=unit.saved_not_input_bytes,
+                       backward_transient_bytes=unit.backward_transient_bytes,
+                       backward_recompute_transient_bytes=unit.backward_recompute_transient_bytes,
+                       forward_keep_transient_bytes=unit.forward_keep_transient_bytes,
+                       forward_recompute_transient_bytes=unit.forward_recompute_transient_bytes)
+        values = {f.name: getattr(unit, f.name) for f in fields(cls) if getattr(unit, f.name, None) is not None}
+        missing = [name for name in ("saved_bytes", "forward_seconds") if name not in values]
+        if missing:
+            raise TypeError(f"unit profile {type(unit).__name__} has no {', '.join(missing)}: offload_options "
+                            f"takes a memrt.memory.profile.UnitProfile, a UnitCosts, or an object with those "
+                            f"attributes")
+        return cls(**values)
 
 
 def _efficiency(device: torch.device) -> float:
     return 0.9 if device.type == "cuda" else 0.5
 
 
-def offload_options(unit_profile: Any, bandwidths: Bandwidths, device: str | torch.device, *,
+def offload_options(unit_profile: UnitProfile | UnitCosts, bandwidths: Bandwidths, device: str | torch.device, *,
                     tiers: Sequence[str] | None = None, include_recompute: bool = True,
                     next_forward_seconds: float | None = None,
                     next_backward_seconds: float | None = None) -> list[UnitOption]:
     """Offload options for one unit call. ``tiers`` defaults to ('disk', 'host') on CUDA, ('disk',) elsewhere.
 
     ``unit_profile`` is a :class:`memrt.memory.profile.UnitProfile` (``saved_bytes``, ``input_bytes``,
-    ``saved_not_input_bytes``, ``forward_seconds``, the measured transients); a profile-like object
-    with only ``saved_bytes`` and ``forward_seconds`` (optionally ``input_bytes``,
-    ``offloadable_bytes``, ``backward_seconds``) works too. ``next_*_seconds``: compute of the
+    ``saved_not_input_bytes``, ``forward_seconds``, the measured transients) or a :class:`UnitCosts`; a
+    profile-like object with only ``saved_bytes`` and ``forward_seconds`` (optionally other fields of
+    :class:`UnitCosts`) works too (:meth:`UnitCosts.of`). ``next_*_seconds``: compute of the
     neighbouring units that also hides transfers (default: same as this unit).
     """
     device = torch.device(device)
     allowed = tuple(tiers) if tiers is not None else (("disk", "host") if device.type == "cuda" else ("disk",))
     if device.type != "cuda":
         allowed = tuple(t for t in allowed if t != "host")  # host memory is the device memory on CPU
-    u = unit_profile
-    saved = int(_get(u, ("saved_bytes", "activation_bytes", "bytes_kept")))
-    offloadable = int(min(saved, _get(u, ("offloadable_bytes",), saved)))
-    fwd = float(_get(u, ("forward_seconds", "fwd_seconds")))
-    bwd = float(_get(u, ("backward_seconds", "bwd_seconds"), 2.0 * fwd))
-    inputs = getattr(u, "offloadable_input_bytes", None)
-    if inputs is None:
-        inputs = getattr(u, "input_bytes", None)
-    saved_not_input = int(getattr(u, "saved_not_input_bytes", max(0, saved - int(inputs or 0))))
-    bwd_after = int(getattr(u, "backward_transient_bytes", 0))  # measured with the unit recomputed
-    bwd_replay = int(getattr(u, "backward_recompute_transient_bytes", 0))
-    fwd_keep = getattr(u, "forward_keep_transient_bytes", None)
-    fwd_rec = getattr(u, "forward_recompute_transient_bytes", None)
+    u = UnitCosts.of(unit_profile)
+    saved = int(u.saved_bytes)
+    offloadable = int(min(saved, u.offloadable_bytes if u.offloadable_bytes is not None else saved))
+    fwd = float(u.forward_seconds)
+    bwd = float(u.backward_seconds if u.backward_seconds is not None else 2.0 * fwd)
+    inputs = u.input_bytes
+    saved_not_input = int(u.saved_not_input_bytes if u.saved_not_input_bytes is not None
+                          else max(0, saved - int(inputs or 0)))
+    bwd_after = int(u.backward_transient_bytes)  # measured with the unit recomputed
+    bwd_replay = int(u.backward_recompute_transient_bytes)
+    fwd_keep = u.forward_keep_transient_bytes
+    fwd_rec = u.forward_recompute_transient_bytes
     fwd_window = fwd + (fwd if next_forward_seconds is None else next_forward_seconds)
     bwd_window = bwd if next_backward_seconds is None else next_backward_seconds
     eff = _efficiency(device)

@@ -13,7 +13,7 @@ plan applier (:mod:`memrt.memory.apply`) never import the tiers.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch.nn as nn
 
@@ -26,13 +26,19 @@ from memrt.memory.offload.wrap import notify_before_backward
 from memrt.memory.options import OptionSource, UnitOption, register_options
 from memrt.memory.recompute import run_recomputed
 
+if TYPE_CHECKING:
+    from memrt.config import MemrtConfig
+    from memrt.memory.offload.bandwidth import Bandwidths
+    from memrt.memory.planner import Plan
+    from memrt.memory.profile import Profile, UnitProfile
+
 __all__ = ["engine_for"]
 
 logger = logging.getLogger(__name__)
 
 
-def _propose(profile: Any, offload: str, bandwidths: Any,
-             config: Any) -> Callable[[Any], Sequence[UnitOption]] | None:
+def _propose(profile: Profile, offload: str, bandwidths: Bandwidths | None,
+             config: MemrtConfig | None) -> Callable[[UnitProfile], Sequence[UnitOption]] | None:
     tiers = usable_tiers(profile, offload, profile.device, config)
     if not tiers:
         return None
@@ -45,7 +51,7 @@ def _propose(profile: Any, offload: str, bandwidths: Any,
     return lambda u: offload_options(u, bandwidths, profile.device, tiers=tiers)
 
 
-def _admit(plan: Any, config: Any) -> bool:
+def _admit(plan: Plan, config: MemrtConfig | None) -> bool:
     """A plan that writes to disk needs room in the folder (reserved here); no room: plan without disk."""
     return not any(u.action.endswith("offload_disk") for u in plan.units) or room_for(plan, config)
 
@@ -55,7 +61,7 @@ def engine_for(ctx: ApplyContext, tier: str) -> OffloadEngine:
     pinned pool); :meth:`ApplyContext.close` closes it."""
     if tier not in ctx.engines:
         ctx.engines[tier] = OffloadEngine(tier, device=ctx.device, directory=ctx.offload_dir, keep=ctx.model,
-                                          required_bytes=plan_bytes(getattr(ctx, "plan", None), tier))
+                                          required_bytes=plan_bytes(ctx.plan, tier))
     return ctx.engines[tier]
 
 
