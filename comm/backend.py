@@ -37,6 +37,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from memrt.comm.routing import busy as _busy, inside_internal_groups, internal_groups, passthrough
 from memrt.comm.waits import waiting
 from memrt.comm.reduction import REDUCE_OPS
+from memrt.launcher import attempt_prefix
 
 if TYPE_CHECKING:
     from memrt.comm.topology import Topology
@@ -121,9 +122,10 @@ def _device_store(store: Any, device: str) -> Any:
     rebuilt from the group's store under each device's own prefix. memrt's real backends
     use the same keys, so a memrt rank and a rank running torch's own backend (started without ``MEMRT``)
     still connect in ``init_process_group`` and the start-up agreement can name the odd rank out."""
+    prefix = f"{device}/{attempt_prefix()}"  # a torchrun restart: the dead attempt's keys stay in the store
     if not isinstance(store, tdist.PrefixStore):  # a group built by hand on a plain store
-        return tdist.PrefixStore(f"{device}/", store)
-    return tdist.PrefixStore(f"{device}/", store.underlying_store)
+        return tdist.PrefixStore(prefix, store)
+    return tdist.PrefixStore(prefix, store.underlying_store)
 
 
 def _create(dist_opts: Any, backend_options: Any) -> Any:
@@ -434,6 +436,19 @@ class MemrtProcessGroup(tdist.ProcessGroup):
         start = time.perf_counter()
         work = call()
         return _RecordingWork(work, lambda: _record_flat(op, t, self._global_ranks, reduce_op, start))
+
+
+def _outside_dynamo(cls: type, names: tuple[str, ...]) -> None:
+    """Mark the collectives dynamo must not trace. DDP calls the process group from C++ inside a compiled
+    region (``torch.compile(DDP(model))``: the reducer's bucket rebuild broadcasts in ``_pre_forward``), and
+    dynamo would otherwise trace these Python frames and fail on the group's attributes."""
+    for name in names:
+        setattr(cls, name, torch.compiler.disable(getattr(cls, name), recursive=True))
+
+
+_outside_dynamo(MemrtProcessGroup, ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "all_gather_single",
+                                    "reduce_scatter_single", "allgather_into_tensor_coalesced",
+                                    "reduce_scatter_tensor_coalesced", "barrier"))
 
 
 class _RecordingWork(tdist.Work):

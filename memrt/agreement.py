@@ -239,7 +239,10 @@ def check(config: MemrtConfig, *, local_error: BaseException | str | None = None
         pg = distributed_c10d._get_default_group()  # noqa: SLF001 - the group this agreement is about
         if _CHECKED is not None and _CHECKED() is pg:
             return
-        store = dist.PrefixStore("memrt/agree", distributed_c10d._get_default_store())  # noqa: SLF001
+        from memrt.launcher import attempt_prefix
+
+        store = dist.PrefixStore(f"memrt/agree/{attempt_prefix()}".rstrip("/"),  # a torchrun restart: fresh keys
+                                 distributed_c10d._get_default_store())  # noqa: SLF001
     rank = dist.get_rank() if rank is None else rank
     world = dist.get_world_size() if world_size is None else world_size
     if local_error is None:

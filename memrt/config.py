@@ -76,6 +76,7 @@ COMM_CHOICES = ("auto", "flat", "hier", "off")
 COMPRESS_CHOICES = ("none", "auto", "bf16", "fp16", "int8")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BALANCE_CHOICES = ("auto", "on", "off")
+SYNC_CHOICES = ("exact", "diloco")
 
 
 def environ() -> dict[str, str]:
@@ -230,6 +231,19 @@ def _auto_or_bool(name: str, raw: str) -> str:
     raise ConfigError(name, raw, "auto or " + _BOOL_FORMS)
 
 
+def _positive_int(name: str, raw: Any) -> int:
+    """A whole number >= 1 (ASCII digits, or an int that is not a bool)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    elif isinstance(raw, str) and _RANK_RE.fullmatch(raw.strip()):
+        value = int(raw.strip())
+    else:
+        raise ConfigError(name, raw, "a positive whole number, e.g. 50")
+    if value < 1:
+        raise ConfigError(name, raw, "a positive whole number, e.g. 50")
+    return value
+
+
 def _path(name: str, raw: str) -> str:
     v = str(raw).strip()
     if not v or "\x00" in v:
@@ -273,6 +287,12 @@ class MemrtConfig:
     """MEMRT_GC_FREEZE: under MEMRT=1, freeze the Python objects of the job's set-up before its first training step
     (:func:`gc.freeze`) so that the collector's full collections scan only newer ones (memrt.activation.collector);
     off leaves the collector alone."""
+    sync: str = "exact"
+    """MEMRT_SYNC: exact|diloco — exact: gradients averaged over every rank every step (stock DDP, bitwise);
+    diloco: averaged within each node every step, and across nodes every MEMRT_SYNC_EVERY steps an outer
+    Nesterov step on the nodes' averaged parameter change (memrt.sync; changes the optimization algorithm)."""
+    sync_every: int = 50
+    """MEMRT_SYNC_EVERY: inner (optimizer) steps between two outer steps under MEMRT_SYNC=diloco; >= 1."""
     cache_dir: str = field(default_factory=lambda: cache_dir())
     """Where memrt keeps what it measured once per machine (link and copy bandwidths): ``$XDG_CACHE_HOME/memrt``,
     else ``~/.cache/memrt``. Not a MEMRT_* variable: read from the environment with the settings."""
@@ -295,9 +315,10 @@ class MemrtConfig:
     def __post_init__(self) -> None:
         for fname, choices in (("offload", OFFLOAD_CHOICES), ("comm", COMM_CHOICES),
                                ("compress", COMPRESS_CHOICES), ("log_level", LOG_LEVELS),
-                               ("balance", BALANCE_CHOICES)):
+                               ("balance", BALANCE_CHOICES), ("sync", SYNC_CHOICES)):
             if getattr(self, fname) not in choices:
                 raise ConfigError(_FIELD_TO_VAR[fname], getattr(self, fname), "one of " + "|".join(choices))
+        _positive_int("MEMRT_SYNC_EVERY", self.sync_every)
 
     def effective(self) -> dict[str, dict[str, Any]]:
         """Variable name -> {"value": printable value, "source": where it came from}."""
@@ -347,6 +368,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_BALANCE", "balance", _choice(BALANCE_CHOICES), agree=True),
     Setting("MEMRT_PROCESS_GROUP", "process_group", _auto_or_bool, agree=True),
     Setting("MEMRT_GC_FREEZE", "gc_freeze", parse_bool),
+    Setting("MEMRT_SYNC", "sync", _choice(SYNC_CHOICES), agree=True),
+    Setting("MEMRT_SYNC_EVERY", "sync_every", _positive_int, agree=True),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
 its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""

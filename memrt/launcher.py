@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 from memrt.config import environ
 from memrt.errors import ConfigError
 
-__all__ = ["LaunchInfo", "discover_launch", "first_host", "free_port", "import_mpi4py", "master_address",
-           "mpi_rendezvous", "pid_alive", "slurm_master"]
+__all__ = ["LaunchInfo", "attempt_prefix", "discover_launch", "first_host", "free_port", "import_mpi4py",
+           "master_address", "mpi_rendezvous", "pid_alive", "slurm_master"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,3 +236,16 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def attempt_prefix(env: Mapping[str, str] | None = None) -> str:
+    """The store-key prefix of this launch attempt: ``""`` on the first, ``"attempt<N>/"`` after torchrun
+    restarted the workers N times (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's agent keeps one key-value store across restarts, and a process group's keys do not name the
+    attempt: the keys a dead attempt wrote stay, and a restarted gloo rank may read a dead peer's address
+    (then fail to connect, or connect to whatever now listens on that port). memrt's groups and exchanges put
+    their keys under this prefix, so each attempt starts from an empty key space."""
+    env = os.environ if env is None else env
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return "" if count in ("", "0") else f"attempt{count}/"

@@ -51,3 +51,27 @@ def test_sources_are_never_mixed():
 def test_bad_launcher_values(env, var):
     with pytest.raises(ConfigError, match=var):
         discover_launch(env)
+
+
+def test_attempt_prefix_names_torchrun_restarts_only():
+    from memrt.launcher import attempt_prefix
+
+    assert attempt_prefix({}) == "" and attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "0"}) == ""
+    assert attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) == "attempt2/"
+
+
+def test_memrt_group_keys_move_with_the_attempt(monkeypatch):
+    """A restarted attempt's gloo keys are not the dead attempt's (torchrun keeps one store across restarts)."""
+    import torch.distributed as dist
+
+    from memrt.comm.backend import _device_store
+
+    store = dist.HashStore()
+    group_store = dist.PrefixStore("cpu/", dist.PrefixStore("0/", store))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    _device_store(group_store, "cpu").set("k", "first")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = _device_store(group_store, "cpu")
+    assert not second.check(["k"])  # the first attempt's key is not visible to the second
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert _device_store(group_store, "cpu").check(["k"])  # while the first attempt's own ranks see it

@@ -3,6 +3,8 @@
 :func:`install` registers a meta-path finder that waits for ``torch`` (and, later, ``torch.distributed.fsdp``)
 to finish importing, then wraps, in place:
 
+- ``torch.optim.Optimizer.__init__``: in a process without a process group, the optimizer's parameters lead to
+  the model it trains, planned at its first training forward (:mod:`memrt.activation.single`).
 - ``torch.distributed.init_process_group``: validates the settings first (bad ones exit 2 before any
   rendezvous), supplies an MPI rendezvous when the job runs under mpiexec without ``MASTER_ADDR``, swaps
   a gloo / NCCL backend for memrt's process group (:mod:`memrt.comm.backend`: every collective of the
@@ -131,6 +133,9 @@ def uninstall() -> None:
     """Remove the hook and every wrapper (tests, ``memrt.activation`` users that switch off)."""
     with _LOCK:
         _remove_finder()
+        single = sys.modules.get("memrt.activation.single")
+        if single is not None:
+            single.disarm()
         while _ORIGINALS:
             owner, name, original = _ORIGINALS.pop()
             setattr(owner, name, original)
@@ -173,6 +178,10 @@ def _guarded_on_accelerate(module: Any) -> None:
 def _on_torch(torch_module: Any) -> None:
     import torch.distributed as dist
 
+    from memrt.activation import single
+
+    _replace(torch_module.optim.Optimizer, "__init__", _wrap_optimizer_init)  # single-process jobs
+    single.arm()
     if not dist.is_available():
         return
     from torch.utils.data import DataLoader, dataloader
@@ -226,6 +235,9 @@ def _on_fsdp(fsdp_module: Any) -> None:
 def _wrap_init_process_group(original: Callable) -> Callable:
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
+        from memrt.activation.single import note_process_group
+
+        note_process_group()  # a distributed job: the single-process path steps aside
         if _session.is_off() or _session.current() is not None:
             return original(*args, **kwargs)
         config = _session.load_config_or_exit()  # SystemExit(2) on a bad setting, before any rendezvous
@@ -288,6 +300,9 @@ def _wrap_destroy_process_group(original: Callable) -> Callable:
             return original(group)
         _DESTROYING.active = True
         try:
+            from memrt.activation.wiring import finish_sync
+
+            finish_sync(_session.current())  # MEMRT_SYNC=diloco: one model on every rank before the end
             comm_setup.destroy_process_group(group)  # ends in torch's own (this wrapper passes it through)
         except Exception as exc:  # noqa: BLE001
             _session.fail("memrt.comm teardown", exc)
@@ -345,6 +360,32 @@ def _wrap_ddp_init(original: Callable) -> Callable:
             setup_ddp(sess, self)
             if not _session.is_off():
                 freeze_setup(sess)
+
+    return __init__
+
+
+def _wrap_optimizer_init(original: Callable) -> Callable:
+    """``torch.optim.Optimizer.__init__`` (every optimizer's, through ``super().__init__``): in a process
+    without a process group, the parameters it steps lead memrt to the model (:mod:`memrt.activation.single`)."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if not _session.is_off():
+            try:
+                sess = _session.current()
+                if sess is not None and not sess.single:
+                    from memrt.activation.wiring import note_optimizer
+
+                    note_optimizer(sess, self)  # MEMRT_SYNC=diloco starts with the DDP model's optimizer
+                else:
+                    from memrt.activation.single import note_optimizer as note_single
+
+                    note_single(self)
+            except SystemExit:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                _session.fail("watching an optimizer", exc)
 
     return __init__
 

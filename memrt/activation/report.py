@@ -22,7 +22,7 @@ from memrt.activation.session import Session
 from memrt.config import MemrtConfig
 from memrt.sizes import format_bytes
 
-__all__ = ["begin", "at_exit", "rank_summary", "format_summary"]
+__all__ = ["begin", "begin_single", "at_exit", "rank_summary", "format_summary", "format_sync_line"]
 
 logger = logging.getLogger("memrt.activation")
 
@@ -39,7 +39,9 @@ def _default_store() -> Any:
     except Exception:  # noqa: BLE001 - private API: without it ranks fall back to a local run id
         logger.debug("no default store", exc_info=True)
         return None
-    return dist.PrefixStore("memrt", store)
+    from memrt.launcher import attempt_prefix
+
+    return dist.PrefixStore(f"memrt/{attempt_prefix()}".rstrip("/"), store)  # a torchrun restart starts from fresh keys
 
 
 def _nodes(config: MemrtConfig, world_size: int, backend: str) -> tuple[Any, str]:
@@ -76,6 +78,28 @@ def begin(config: MemrtConfig) -> Session:
     sess = Session(config=config, launch=_session.launch_info_safe(), rank=rank, world_size=world,
                    run_id=run_id, report_dir=_session.report_dir_for(config, run_id), backend=backend,
                    store=store)
+    return _start(sess)
+
+
+def begin_single(config: MemrtConfig) -> Session:
+    """Start the session of a process without a process group (:mod:`memrt.activation.single`): a local run
+    id, the same banner and report at exit as a rank of a distributed job."""
+    existing = _session.current()
+    if existing is not None:
+        return existing
+    os.environ["MEMRT_AUTOLOAD_ACTIVE"] = str(os.getpid())  # processes this one starts stay untouched
+    launch = _session.launch_info_safe()
+    run_id = _session.agree_run_id(None, launch.rank)
+    sess = Session(config=config, launch=launch, rank=launch.rank, world_size=1, run_id=run_id,
+                   report_dir=_session.report_dir_for(config, run_id), backend="none", nodes=((launch.rank,),),
+                   nodes_source="single process", single=True,
+                   gc_frozen={"objects": 0, "seconds": 0.0, "skipped": "single process"})
+    return _start(sess)
+
+
+def _start(sess: Session) -> Session:
+    """The session becomes current: leftovers swept, report folder checked, banner on rank 0, report at exit."""
+    config, rank = sess.config, sess.rank
     _session.set_current(sess)
     from memrt.activation.checks import default_report_problem, sweep_leftovers
 
@@ -84,14 +108,16 @@ def begin(config: MemrtConfig) -> Session:
     if sess.report_problem is not None:
         logger.warning("memrt: rank %d will write no report at exit: %s; set MEMRT_REPORT_DIR to a folder memrt "
                        "can write", rank, sess.report_problem)
-    sess.nodes, sess.nodes_source = _nodes(config, world, backend)
+    if not sess.single:
+        sess.nodes, sess.nodes_source = _nodes(config, sess.world_size, sess.backend)
     from memrt.profiling.recorder import get_recorder
 
-    get_recorder().set_meta(run_id=run_id, rank=rank, world_size=world, launcher=sess.launch.launcher)
+    get_recorder().set_meta(run_id=sess.run_id, rank=rank, world_size=sess.world_size,
+                            launcher=sess.launch.launcher)
     if rank == 0:
-        text = format_banner(config=config, launcher=sess.launch.launcher, world_size=world, nodes=sess.nodes,
-                             nodes_source=sess.nodes_source, backend=backend, run_id=run_id,
-                             report_dir=sess.report_dir)
+        text = format_banner(config=config, launcher=sess.launch.launcher, world_size=sess.world_size,
+                             nodes=sess.nodes, nodes_source=sess.nodes_source, backend=sess.backend,
+                             run_id=sess.run_id, report_dir=sess.report_dir)
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
     atexit.register(at_exit)
@@ -125,6 +151,8 @@ def _budget_bytes(config: MemrtConfig, device: dict[str, Any]) -> int | None:
 
 
 def _plans(sess: Session) -> list[dict[str, Any]]:
+    if sess.plans_of is not None:
+        return sess.plans_of()
     out = []
     from memrt import plan_of
 
@@ -214,6 +242,10 @@ def at_exit() -> None:
         from memrt.profiling.recorder import get_recorder
 
         recorder = get_recorder()
+        if sess.syncs:
+            from memrt.activation.wiring import finish_sync
+
+            finish_sync(sess)  # MEMRT_SYNC=diloco: one model on every rank (a no-op after destroy_process_group)
         plans = _plans(sess)
         device = _device(sess)
         recorder.set_meta(activation={
@@ -224,7 +256,8 @@ def at_exit() -> None:
             "comm_hooks": sess.comm_hooks, "failures": _failures(sess), "device": device,
             "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
             "balance": sess.balance.report() if sess.balance is not None else None,
-            "gc_frozen": sess.gc_frozen,
+            "gc_frozen": sess.gc_frozen, "single_process": sess.single,
+            "sync": [sync.summary() for sync in sess.syncs],
         })
         if sess.report_problem is None:
             recorder.write(sess.report_dir, sess.rank)
@@ -236,6 +269,9 @@ def at_exit() -> None:
                 from memrt.balance.auto import format_summary_line
 
                 text += "\n" + format_summary_line(sess.balance)
+            text = "\n".join([text, *(format_sync_line(sync.summary()) for sync in sess.syncs)])
+            if sess.summary_lines is not None:
+                text = "\n".join([text, *sess.summary_lines(sess)])
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
     except Exception as exc:  # noqa: BLE001 - exit must not fail because of the report
@@ -245,6 +281,16 @@ def at_exit() -> None:
         # Let the store (and, on the rank hosting it, its server thread) close now, while the interpreter is
         # whole, rather than in the C++ destructors run during interpreter teardown.
         sess.store = None
+
+
+def format_sync_line(summary: dict[str, Any]) -> str:
+    """One summary line for a model under ``MEMRT_SYNC=diloco`` (:meth:`memrt.sync.DiLoCo.summary`)."""
+    per_step = summary["outer_bytes_per_step"] / summary["every"]
+    return (f"memrt: sync diloco every {summary['every']} steps across {summary['nodes']} nodes: "
+            f"{summary['inner_steps']} inner steps, {summary['outer_steps']} outer steps | across nodes "
+            f"{format_bytes(summary['outer_bytes_per_step'])} per outer step per rank "
+            f"(compress={summary['compress']}; {format_bytes(per_step)} per inner step) | outer state "
+            f"{format_bytes(summary['host_bytes'])} host memory")
 
 
 def _stop_comm_threads() -> None:

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memrt.config import MemrtConfig, internal_setting, load_config
 from memrt.errors import ConfigError, MemrtError
@@ -68,7 +68,8 @@ class Session:
     started_s: float = field(default_factory=time.perf_counter)
     """perf_counter() when the session began."""
     models: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per DDP / FSDP2 module memrt set up: type, parameters, budget, plan."""
+    """One entry per DDP / FSDP2 module (or, in a single process, per trained model) memrt set up: type,
+    parameters, budget, plan."""
     tracked: list[Any] = field(default_factory=list)
     """Weak references to the planned modules (to read their final plans at exit)."""
     comm_hooks: int = 0
@@ -85,6 +86,19 @@ class Session:
     """The :class:`memrt.balance.auto.Controller` (MEMRT_BALANCE auto|on, more than one rank), else None."""
     gc_frozen: dict[str, Any] | None = None
     """What :mod:`memrt.activation.collector` froze (objects, seconds) or why it did not (skipped); None before."""
+    single: bool = False
+    """True for a process without a process group, whose models memrt found through their optimizers
+    (:mod:`memrt.activation.single`); False for a rank of a distributed job."""
+    plans_of: Callable[[], list[dict[str, Any]]] | None = None
+    """Where the report reads the models' plans at exit when the session keeps them itself (a single-process
+    job's model is often gone by exit); None: the plans of the modules in ``tracked``."""
+    summary_lines: Callable[["Session"], list[str]] | None = None
+    """Extra lines for the exit summary (a single-process job's per-model plan lines), or None."""
+    sync_waiting: list[Any] = field(default_factory=list)
+    """``(weakref to a DDP model, its report entry)`` under ``MEMRT_SYNC=diloco`` on several nodes, until the
+    optimizer that trains it is built (:func:`memrt.activation.wiring.note_optimizer`)."""
+    syncs: list[Any] = field(default_factory=list)
+    """The :class:`memrt.sync.DiLoCo` of each such model once its optimizer exists."""
 
 
 def remember_launch(launch: LaunchInfo) -> None:

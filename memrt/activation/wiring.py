@@ -10,7 +10,7 @@ For each ``DistributedDataParallel`` construction:
    job. Ranks vote through the process group's store (no device collective), with a timeout.
 
 3. **balance** (``MEMRT_BALANCE`` auto|on): when every rank of the DDP group has the balancer, the comm
-   hook is :func:`memrt.balance.auto.balanced_hook` around the reduction in 2 (or torch's default
+   hook is :func:`memrt.balance.hook.weighted_allreduce_hook` around the reduction in 2 (or torch's default
    all-reduce): it applies the step's share factor, then memrt.comm's topology-aware all-reduce and
    compression run as before. DataLoaders over a ``DistributedSampler`` get the share sampler
    (:func:`balance_dataloader`).
@@ -29,7 +29,8 @@ from typing import Any
 from memrt.activation import session as _session
 from memrt.activation.session import Session
 
-__all__ = ["setup_ddp", "note_fully_shard", "balance_dataloader", "balance_controller", "VOTE_TIMEOUT_S"]
+__all__ = ["setup_ddp", "note_fully_shard", "plan_model", "note_optimizer", "finish_sync", "balance_dataloader",
+           "balance_controller", "VOTE_TIMEOUT_S"]
 
 logger = logging.getLogger("memrt.activation")
 
@@ -60,34 +61,26 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: 
     entry["guarded_steps"] = _guard_steps(module)
 
 
+def plan_model(sess: Session, module: Any, entry: dict[str, Any]) -> None:
+    """``memrt.auto`` for a model a single-process job trains (:mod:`memrt.activation.single`), as for DDP's:
+    the session's budget and settings, errors of later steps made warnings, recorded in ``entry``."""
+    _plan_memory(sess, module, entry)
+
+
 def _guard_steps(module: Any) -> bool:
     """Make a planner error during training (e.g. an infeasible budget found at step 2) a warning.
 
     memrt.auto plans inside the model's forward pre-hook; without this its exception would end the job.
-    The guard removes memrt's hooks from the model (the step then runs as without memrt) and warns once.
-    Relies on memrt.memory's per-model state; without it, planner errors propagate as they are.
+    The guard (memrt.memory's public error policy, ``on_plan_error``) removes memrt's hooks from the model
+    (the step then runs as without memrt) and warns once. False where the model is not under memrt.auto:
+    planner errors then propagate as they are.
     """
     try:
-        from memrt.memory import auto as auto_module
+        from memrt.memory.auto import on_plan_error
 
-        handle = auto_module._STATES[module].handle  # noqa: SLF001 - no public error policy yet
-        inner = handle._extra_step  # noqa: SLF001
+        return on_plan_error(module, lambda exc: _session.fail("memory plan during training", exc))
     except Exception:  # noqa: BLE001
         return False
-    if inner is None:
-        return False
-
-    def guarded_step(args: tuple, kwargs: dict) -> None:
-        try:
-            inner(args, kwargs)
-        except Exception as exc:  # noqa: BLE001
-            from memrt import disable
-
-            disable(module)
-            _session.fail("memory plan during training", exc)
-
-    handle._extra_step = guarded_step  # noqa: SLF001
-    return True
 
 
 def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> Any:
@@ -141,7 +134,7 @@ def balance_controller(sess: Session) -> Any:
     from memrt.balance.auto import AutoBalanceConfig, Controller
 
     sess.balance = Controller(store=sess.store, rank=sess.rank, world=sess.world_size,
-                              config=AutoBalanceConfig(mode=sess.config.balance))
+                              config=AutoBalanceConfig.from_config(sess.config))
     return sess.balance
 
 
@@ -174,7 +167,7 @@ def balance_dataloader(sess: Session, arguments: dict[str, Any]) -> dict[str, An
 
 def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, Any]) -> bool:
     """Register the balanced hook around memrt.comm's hook (``register``) or torch's default all-reduce."""
-    from memrt.balance.auto import BalanceHookState, balanced_hook
+    from memrt.balance.hook import weighted_allreduce_hook
 
     ctl = sess.balance
     captured: list[tuple[Any, Any]] = []
@@ -190,9 +183,9 @@ def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, 
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         inner_state, inner_hook = ddp.process_group, allreduce_hook
-    is_timer = not ctl._timed  # noqa: SLF001 - the first balanced DDP model times the steps
-    ddp.register_comm_hook(BalanceHookState(controller=ctl, inner_hook=inner_hook, inner_state=inner_state,
-                                            is_timer=is_timer), balanced_hook)
+    is_timer = not ctl.timing_attached  # the first balanced DDP model times the steps
+    ddp.register_comm_hook(ctl.hook_state(inner_hook=inner_hook, inner_state=inner_state, is_timer=is_timer),
+                           weighted_allreduce_hook)
     if is_timer:
         ctl.attach_timer(ddp)
         budget = sess.config.budget
@@ -214,6 +207,56 @@ def _plan_bound(module: Any) -> Any:
     return bound
 
 
+def _diloco_wanted(sess: Session, ddp: Any) -> bool:
+    """``MEMRT_SYNC=diloco`` applies to this DDP model: several nodes, and the model spans every rank."""
+    if sess.config.sync != "diloco" or sess.nodes is None or len(sess.nodes) < 2:
+        return False
+    return _group_ranks(ddp, sess.world_size) == list(range(sess.world_size))
+
+
+def note_optimizer(sess: Session, optimizer: Any) -> None:
+    """An optimizer was built in a distributed job: under ``MEMRT_SYNC=diloco``, the DDP model whose
+    parameters it steps gets memrt.sync (collective: every rank builds its optimizers in the same order)."""
+    if not sess.sync_waiting:
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for item in list(sess.sync_waiting):
+        ref, entry = item
+        ddp = ref()
+        if ddp is None:
+            sess.sync_waiting.remove(item)
+            continue
+        if not any(id(p) in ids for p in ddp.module.parameters()):
+            continue
+        sess.sync_waiting.remove(item)
+        from memrt.comm import get_topology
+        from memrt.sync import attach
+
+        sync = attach(ddp, optimizer, config=sess.config, topology=get_topology())
+        if sync is None:
+            entry["sync"] = "exact"
+            continue
+        sess.syncs.append(sync)
+        entry["sync"] = f"diloco every {sync.every} steps"
+        entry["comm_hook"] = "memrt.sync (gradients averaged within the node)"
+        sess.comm_hooks += 1
+        return
+
+
+def finish_sync(sess: Session) -> None:
+    """The job's end under ``MEMRT_SYNC=diloco`` (collective, at destroy_process_group or exit): a last outer
+    step for every model with inner steps since its last one, so every rank ends with one model."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for sync in sess.syncs:
+        try:
+            sync.finish()
+        except Exception as exc:  # noqa: BLE001
+            _session.fail("the final outer step (MEMRT_SYNC=diloco)", exc)
+
+
 def setup_ddp(sess: Session, ddp: Any) -> None:
     """Memory plan and comm hook for a freshly built DistributedDataParallel (called on every rank)."""
     sess.ddp_count += 1
@@ -223,6 +266,17 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
                              "budget": str(sess.config.budget) if sess.config.budget else None,
                              "memory": "off", "comm_hook": "no", "device": _device_of(module)}
     sess.models.append(entry)
+    if _diloco_wanted(sess, ddp):
+        # memrt.sync registers its own comm hook (the node's mean) once the optimizer is built: no other hook,
+        # no balancing (nodes' samples weigh the outer step instead)
+        entry["sync"] = "diloco: waiting for the optimizer"
+        sess.sync_waiting.append((weakref.ref(ddp), entry))
+        if not _session.is_off():
+            try:
+                _plan_memory(sess, module, entry)
+            except Exception as exc:  # noqa: BLE001
+                _session.fail("memory plan for DistributedDataParallel", exc)
+        return
     register = None
     if not _session.is_off():
         try:
