@@ -246,6 +246,6 @@ def attempt_prefix(env: Mapping[str, str] | None = None) -> str:
     attempt: the keys a dead attempt wrote stay, and a restarted gloo rank may read a dead peer's address
     (then fail to connect, or connect to whatever now listens on that port). memrt's groups and exchanges put
     their keys under this prefix, so each attempt starts from an empty key space."""
-    env = os.environ if env is None else env
+    env = environ() if env is None else env
     count = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
     return "" if count in ("", "0") else f"attempt{count}/"

@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from memrt.testing import venv_bin
+
+
+_INDUCTOR_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    """One inductor cache for the session (empty at its start, as on a fresh machine): the processes the
+    tests start inherit it, so a graph compiled by one test is not compiled again by the next."""
+    global _INDUCTOR_CACHE
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="memrt-tests-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+
+
+def pytest_unconfigure(config):
+    if _INDUCTOR_CACHE is not None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

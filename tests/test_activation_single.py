@@ -258,7 +258,7 @@ def test_finder_plans_the_top_most_trained_module_and_runs_its_step_hook_for_the
     monkeypatch.setattr(session, "_OFF", False)
     monkeypatch.setattr(session, "_SESSION", None)
     monkeypatch.setattr(wiring, "plan_model", fake_plan)
-    monkeypatch.setattr(report, "begin_single", lambda config: types.SimpleNamespace(models=[], single=True))
+    monkeypatch.setattr(report, "begin_single", lambda config: types.SimpleNamespace(models=[], single=True, clock=None))
     monkeypatch.setattr(single, "_ARMED_PID", os.getpid())  # armed without the atexit line
     monkeypatch.setattr(single, "_CONFIG", load_config({"MEMRT": "1", "MEMRT_BUDGET": "1GiB"}))
     monkeypatch.setenv("MEMRT_AUTOLOAD_ACTIVE", "")  # note_optimizer sets it; monkeypatch removes it afterwards

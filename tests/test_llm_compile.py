@@ -36,11 +36,10 @@ BLOCK_BUDGET = 12_000_000
 
 def _fresh_process(tmp_path: Path, call: str) -> dict:
     """Run ``_llm_workers.<call>`` (which writes JSON to ``out``) in a fresh process: one thread, memrt's CPU
-    budget measure (MALLOC_MMAP_THRESHOLD_=65536), no MEMRT settings, a private inductor cache."""
+    budget measure (MALLOC_MMAP_THRESHOLD_=65536), no MEMRT settings, the session's inductor cache (tests/conftest.py)."""
     out = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRT")}
-    env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     code = f"import _llm_workers as W; W.{call.format(out=repr(str(out)))}"
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=280)

@@ -29,7 +29,7 @@ BUDGET = 12_000_000
 
 def _run(tmp_path: Path, out: str, *flags: str, **extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     argv = [venv_bin("torchrun"), "--standalone", "--nproc-per-node", "4", str(EXAMPLE), "--steps", "3", "--out", out,
             *flags]
     try:

@@ -424,7 +424,16 @@ def _wrap_iter_next(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __next__(self):
-        data = original(self)
+        sess = _session.current()
+        clock = sess.clock if sess is not None else None
+        if clock is None:
+            data = original(self)
+        else:
+            clock.data_begin()
+            try:
+                data = original(self)
+            finally:
+                clock.data_end()
         note_consumed_inner(self)
         return data
 

@@ -22,7 +22,8 @@ from memrt.activation.session import Session
 from memrt.config import MemrtConfig
 from memrt.sizes import format_bytes
 
-__all__ = ["begin", "begin_single", "at_exit", "rank_summary", "format_summary", "format_sync_line"]
+__all__ = ["begin", "begin_single", "at_exit", "rank_summary", "format_summary", "format_sync_line", "gradient_path",
+           "SUMMARY_HEADER", "STEP_HEADER"]
 
 logger = logging.getLogger("memrt.activation")
 
@@ -101,6 +102,9 @@ def _start(sess: Session) -> Session:
     """The session becomes current: leftovers swept, report folder checked, banner on rank 0, report at exit."""
     config, rank = sess.config, sess.rank
     _session.set_current(sess)
+    from memrt.activation.steptime import start_clock
+
+    sess.clock = start_clock()
     from memrt.activation.checks import default_report_problem, sweep_leftovers
 
     sweep_leftovers(config)  # what processes of this host killed with SIGKILL left (offload folders, slabs)
@@ -188,7 +192,35 @@ def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) ->
     return {"rank": sess.rank, "budget": str(sess.config.budget) if sess.config.budget else None,
             "budget_bytes": budget, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted,
             "actions": dict(actions), "comm_calls": len(comm), "tier_bytes": dict(tiers),
-            "comm_hooks": sess.comm_hooks, "failures": len(_failures(sess))}
+            "comm_seconds": sum(float(getattr(r, "seconds", 0.0) or 0.0) for r in comm),
+            "grads": gradient_path(sess.models), "failures": len(_failures(sess)),
+            "step": sess.clock.summary() if sess.clock is not None else None}
+
+
+def _path_of(entry: dict[str, Any]) -> str:
+    hook = str(entry.get("comm_hook", ""))
+    if str(entry.get("sync", "")).startswith("diloco every"):
+        return "memrt.sync"
+    if entry.get("kind") == "single":
+        return "none"
+    if hook.startswith("memrt.comm (compress=none)"):
+        return "memrt hook"
+    if hook.startswith("memrt.comm (compress="):
+        return "memrt hook+" + hook.split("compress=", 1)[1].rstrip(")")
+    if hook.startswith("memrt.comm reduce-scatter"):
+        return "memrt rs+" + hook.split("compress=", 1)[1].rstrip(")")
+    if hook.startswith(("memrt.comm process group", "memrt process group")):
+        return "memrt pg"
+    return "torch"
+
+
+def gradient_path(models: list[dict[str, Any]]) -> str:
+    """Which path carries this rank's gradient reductions, per model memrt set up: ``memrt pg`` (memrt's
+    process group runs DDP's / FSDP2's own collectives), ``memrt hook`` (memrt.comm's DDP comm hook, with its
+    codec), ``memrt rs`` (memrt's FSDP2 reduce-scatter), ``memrt.sync`` (MEMRT_SYNC=diloco), ``torch``
+    (torch's own), ``none`` (a single process); ``-`` without a model."""
+    paths = list(dict.fromkeys(_path_of(e) for e in models))
+    return " / ".join(paths) if paths else "-"
 
 
 def _failures(sess: Session) -> list[str]:
@@ -198,18 +230,37 @@ def _failures(sess: Session) -> list[str]:
     return list(sess.failures) + degraded()
 
 
+SUMMARY_HEADER = (f"memrt: {'rank':>4} {'budget':>11} {'peak':>11} {'predicted':>11}  {'plan':<26} "
+                  f"{'comm':>5} {'bytes per tier':<28} {'grads via':<14} fail")
+"""The memory and communication table's header (docs/sections/profiling.md explains each column)."""
+STEP_HEADER = (f"memrt: {'rank':>4} {'steps':>6} {'step ms':>9} {'data':>7} {'forward':>8} {'backward':>9} "
+               f"{'optim':>7} {'other':>7}  {'comm s':>8}")
+"""The step-time table's header: mean milliseconds per step (memrt.activation.steptime), total comm seconds."""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
 def format_summary(sess: Session, summaries: list[dict[str, Any]], missing: list[int]) -> str:
+    ordered = sorted(summaries, key=lambda x: x["rank"])
     lines = [f"memrt summary | run {sess.run_id} | {len(summaries)}/{sess.world_size} ranks reported "
-             f"| files in {sess.report_dir}",
-             f"memrt: {'rank':>4} {'budget':>11} {'peak':>11} {'predicted':>11}  {'plan':<26} "
-             f"{'comm':>5} {'bytes per tier':<28} {'hook':>4} fail"]
-    for s in sorted(summaries, key=lambda x: x["rank"]):
+             f"| files in {sess.report_dir}", SUMMARY_HEADER]
+    for s in ordered:
         plan = ", ".join(f"{n} {a}" for a, n in sorted(s["actions"].items())) or "-"
         tiers = ", ".join(f"{t} {format_bytes(b)}" for t, b in sorted(s["tier_bytes"].items())) or "-"
         budget = format_bytes(s["budget_bytes"]) if s["budget_bytes"] is not None else (s["budget"] or "none")
         lines.append(f"memrt: {s['rank']:>4} {budget:>11} {format_bytes(s['measured_peak_bytes']):>11} "
                      f"{format_bytes(s['predicted_peak_bytes']):>11}  {plan:<26} {s['comm_calls']:>5} {tiers:<28} "
-                     f"{'yes' if s['comm_hooks'] else 'no':>4} {s['failures']}")
+                     f"{s.get('grads', '-'):<14} {s['failures']}")
+    timed = [s for s in ordered if s.get("step")]
+    if timed:
+        lines.append(STEP_HEADER)
+        for s in timed:
+            t = s["step"]
+            lines.append(f"memrt: {s['rank']:>4} {t['steps']:>6} {_ms(t['step']):>9} {_ms(t['data']):>7} "
+                         f"{_ms(t['forward']):>8} {_ms(t['backward']):>9} {_ms(t['optimizer']):>7} "
+                         f"{_ms(t['other']):>7}  {s.get('comm_seconds', 0.0):>8.2f}")
     if missing:
         lines.append(f"memrt: no summary from rank(s) {missing} within {SUMMARY_WAIT_S:.0f}s (see their files)")
     return "\n".join(lines)

@@ -94,6 +94,8 @@ class Session:
     job's model is often gone by exit); None: the plans of the modules in ``tracked``."""
     summary_lines: Callable[["Session"], list[str]] | None = None
     """Extra lines for the exit summary (a single-process job's per-model plan lines), or None."""
+    clock: Any = None
+    """The :class:`memrt.activation.steptime.StepClock` of this rank's steps (from the session's start)."""
     sync_waiting: list[Any] = field(default_factory=list)
     """``(weakref to a DDP model, its report entry)`` under ``MEMRT_SYNC=diloco`` on several nodes, until the
     optimizer that trains it is built (:func:`memrt.activation.wiring.note_optimizer`)."""

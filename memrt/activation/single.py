@@ -259,6 +259,10 @@ def _found(module: Any, args: tuple, params: list[Any], owned: list[Any]) -> Any
     sess = begin_single(config)
     sess.plans_of, sess.summary_lines = plans, summary_lines
     sess.models.append(entry)
+    if sess.clock is not None:
+        from memrt.activation.steptime import time_forward
+
+        time_forward(sess.clock, module)
     before = set(module._forward_pre_hooks)  # noqa: SLF001 - to run memrt's new step hook for this forward
     try:
         plan_model(sess, module, entry)

@@ -266,6 +266,10 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
                              "budget": str(sess.config.budget) if sess.config.budget else None,
                              "memory": "off", "comm_hook": "no", "device": _device_of(module)}
     sess.models.append(entry)
+    if sess.clock is not None:
+        from memrt.activation.steptime import time_forward
+
+        time_forward(sess.clock, ddp)
     if _diloco_wanted(sess, ddp):
         # memrt.sync registers its own comm hook (the node's mean) once the optimizer is built: no other hook,
         # no balancing (nodes' samples weigh the outer step instead)
