@@ -1,15 +1,18 @@
-"""The post-import hook on torch and memrt's wrappers of three torch.distributed entry points.
+"""The post-import hook on torch and memrt's wrappers of the torch entry points an unchanged job calls.
 
 :func:`install` registers a meta-path finder that waits for ``torch`` (and, later, ``torch.distributed.fsdp``)
 to finish importing, then wraps, in place:
 
 - ``torch.optim.Optimizer.__init__``: in a process without a process group, the optimizer's parameters lead to
-  the model it trains, planned at its first training forward (:mod:`memrt.activation.single`).
+  the model it trains, planned at its first training forward (:mod:`memrt.activation.single`); in a
+  distributed job under ``MEMRT_SYNC=diloco``, the DDP model it steps gets :mod:`memrt.sync`.
 - ``torch.distributed.init_process_group``: validates the settings first (bad ones exit 2 before any
   rendezvous), supplies an MPI rendezvous when the job runs under mpiexec without ``MASTER_ADDR``, swaps
   a gloo / NCCL backend for memrt's process group (:mod:`memrt.comm.backend`: every collective of the
-  job through memrt; not under ``MEMRT_COMM=off``), calls the original, compares the settings every rank must share (:mod:`memrt.agreement`: a mismatch exits 2
-  on every rank), then begins the session (run id, topology, banner, report at exit).
+  job through memrt; not under ``MEMRT_COMM=off``), calls the original, compares the settings every rank
+  must share (:mod:`memrt.agreement`: a mismatch exits 2 on every rank), then begins the session (run id,
+  topology, banner, report at exit).
+- ``destroy_process_group``: the last outer step under ``MEMRT_SYNC=diloco``, then memrt.comm's teardown.
 - ``DistributedDataParallel.__init__``: after the original, plans memory for the wrapped module
   (``memrt.auto``), registers memrt.comm's gradient hook when every rank of the DDP group is ready, and
   freezes the job's set-up for Python's garbage collector (:mod:`memrt.activation.collector`).
@@ -18,8 +21,9 @@ to finish importing, then wraps, in place:
 - ``DataLoader.__init__``: a DataLoader over a ``DistributedSampler`` (or accelerate's ``BatchSamplerShard``)
   gets memrt's share sampler (:mod:`memrt.balance.loader`), which yields the stock batches until the ranks
   agree on balanced shares (``MEMRT_BALANCE``, :mod:`memrt.balance.auto`); the DataLoader iterator's
-  ``__next__`` (and accelerate's ``DataLoaderShard.__iter__``) note which batch reached the training loop,
-  and ``torch.autograd.backward`` lets the balancer see the reduction of the loss.
+  ``__next__`` (and accelerate's ``DataLoaderShard.__iter__``) note which batch reached the training loop
+  and time the wait for it (:mod:`memrt.activation.steptime`), and ``torch.autograd.backward`` lets the
+  balancer see the reduction of the loss.
 
 Each wrapper calls the original exactly once whatever memrt does, and a memrt failure falls back to it
 (:func:`memrt.activation.session.fail`).
@@ -34,6 +38,7 @@ import threading
 from typing import Any, Callable
 
 from memrt.activation import session as _session
+from memrt.config import MemrtConfig
 
 __all__ = ["install", "uninstall", "installed", "PostImportFinder"]
 
@@ -267,7 +272,7 @@ def _wrap_init_process_group(original: Callable) -> Callable:
     return init_process_group
 
 
-def _memrt_backend(args: tuple, kwargs: dict, config: Any) -> tuple[tuple, dict, bool]:
+def _memrt_backend(args: tuple, kwargs: dict, config: MemrtConfig) -> tuple[tuple, dict, bool]:
     """The script's backend replaced by memrt's process group (memrt.comm.backend), unless MEMRT_PROCESS_GROUP
     is off, and where it can carry the job."""
     if config.process_group == "off":
@@ -336,7 +341,7 @@ def _ensure_session() -> "_session.Session | None":
         return None
 
 
-def _agree(config: Any) -> None:
+def _agree(config: MemrtConfig) -> None:
     """Compare the settings every rank must share (memrt.agreement): exit 2 on a mismatch on every rank."""
     try:
         from memrt.agreement import check_or_exit

@@ -35,6 +35,7 @@ from collections import Counter
 from typing import Any
 
 from memrt.activation import session as _session
+from memrt.config import MemrtConfig
 
 __all__ = ["arm", "disarm", "note_process_group", "note_optimizer", "nothing_line", "settings_notes",
            "summary_lines", "plans"]
@@ -350,7 +351,7 @@ def _run_new_pre_hooks(module: Any, args: tuple, before: set[int], entry: dict[s
 # ------------------------------------------------------------------------------------------------- at exit
 
 
-def settings_notes(config: Any) -> str | None:
+def settings_notes(config: MemrtConfig) -> str | None:
     """The settings given that act on collectives between ranks, which a single process does not run."""
     given = []
     for var, value, idle in (("MEMRT_COMPRESS", config.compress, ("none",)),
@@ -375,7 +376,7 @@ def _describe(entry: dict[str, Any]) -> str:
             f"{entry['device']})")
 
 
-def nothing_line(config: Any) -> str | None:
+def nothing_line(config: MemrtConfig) -> str | None:
     """The one line for a single process in which memrt did nothing (None when it acted)."""
     notes = settings_notes(config)
     tail = f"; {notes}" if notes else ""

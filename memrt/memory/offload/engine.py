@@ -18,7 +18,7 @@ import threading
 import weakref
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -196,26 +196,10 @@ class OffloadEngine:
         self.directory: Path | None = None
         if keep is not None:
             self.keep_storages(keep)
-        if tier == "host":
-            from memrt.memory.offload.host import HostTier
-
-            from memrt.memory.offload.host import pool_bytes_for
-
-            self._tier = HostTier(self.device, pool_bytes=max(int(host_pool_bytes), pool_bytes_for(required_bytes)))
-        else:
-            from memrt.config import load_config
-            from memrt.memory.offload.disk import DiskTier
-
-            config = None
-            if directory is None or verify is None:
-                config = load_config(warn_unknown=False)
-            parent = directory if directory is not None else config.offload_dir
-            if verify is None:
-                verify = config.log_level == "debug"
-            self.directory = cleanup.make_private_dir(parent)
-            self._tier = DiskTier(self.directory, self.device, verify=bool(verify),
-                                  max_pending_bytes=max_pending_bytes,
-                                  on_trace=self._trace if record else None)
+        self._tier, self.directory = _open_tier(tier, self.device, directory=directory, verify=verify,
+                                                max_pending_bytes=max_pending_bytes, host_pool_bytes=host_pool_bytes,
+                                                required_bytes=required_bytes,
+                                                on_trace=self._trace if record else None)
         self._finalizer = weakref.finalize(self, _close_tier, self._tier, self.directory)
         if required_bytes and tier == "disk":
             try:
@@ -232,19 +216,8 @@ class OffloadEngine:
 
     def check_space(self, required_bytes: int, *, margin: float = 0.1) -> None:
         """Raise :class:`OffloadError` naming the folder when it cannot hold ``required_bytes`` (+margin)."""
-        if self.directory is None:
-            return
-        import shutil
-
-        free = shutil.disk_usage(self.directory).free
-        need = int(required_bytes * (1.0 + margin))
-        if free < need:
-            from memrt.sizes import format_bytes
-
-            raise OffloadError(
-                f"offload folder {self.directory} has {format_bytes(free)} free but the plan writes up to "
-                f"{format_bytes(required_bytes)} per step (+{margin:.0%} margin); set MEMRT_OFFLOAD_DIR to a "
-                f"disk with more space, raise MEMRT_BUDGET, or set MEMRT_OFFLOAD=host|none")
+        if self.directory is not None:
+            check_free_space(self.directory, required_bytes, margin=margin)
 
     @contextlib.contextmanager
     def pack_hooks(self, unit_index: int) -> Iterator[None]:
@@ -285,21 +258,8 @@ class OffloadEngine:
                     return
 
     def stats(self) -> OffloadStats:
-        t = self._tier
-        pool = getattr(t, "pool", None)
-        return OffloadStats(
-            tier=self.tier_name, device=str(self.device),
-            directory=str(self.directory) if self.directory is not None else None,
-            tensors_offloaded=self._n["offloaded"], tensors_deduplicated=self._n["dedup"],
-            tensors_kept_small=self._n["small"], tensors_kept_param=self._n["param"],
-            bytes_offloaded=t.bytes_written, bytes_restored=t.bytes_read,
-            device_held_bytes=self._held_now(), device_held_peak_bytes=self._held.peak,
-            host_bytes=pool.used_bytes if pool else 0, host_peak_bytes=pool.peak_bytes if pool else 0,
-            host_pool_capacity_bytes=pool.capacity_bytes if pool else 0,
-            pinned_allocations=pool.allocations if pool else 0,
-            disk_bytes=getattr(t, "disk_bytes", 0), disk_peak_bytes=getattr(t, "disk_peak_bytes", 0),
-            write_seconds=getattr(t, "write_seconds", 0.0), read_seconds=getattr(t, "read_seconds", 0.0),
-            wait_seconds=self._wait_seconds, prefetch_hits=self._n["hits"], prefetch_misses=self._n["misses"])
+        return _stats(self.tier_name, self.device, self.directory, self._tier, self._n,
+                      held_bytes=self._held_now(), held_peak_bytes=self._held.peak, wait_seconds=self._wait_seconds)
 
     def publish(self) -> OffloadStats:
         """Put the current stats in the recorder's meta (key ``offload``) and return them."""
@@ -460,6 +420,57 @@ class OffloadEngine:
             raise OffloadError("this offload engine is closed; create a new one (memrt.apply does this per plan)")
         self._tier.check()
 
+
+
+def _open_tier(tier: str, device: torch.device, *, directory: str | Path | None, verify: bool | None,
+               max_pending_bytes: int, host_pool_bytes: int, required_bytes: int,
+               on_trace: Any) -> tuple[Any, Path | None]:
+    """The tier's store and, for the disk tier, its private folder (made here)."""
+    if tier == "host":
+        from memrt.memory.offload.host import HostTier, pool_bytes_for
+
+        return HostTier(device, pool_bytes=max(int(host_pool_bytes), pool_bytes_for(required_bytes))), None
+    from memrt.config import load_config
+    from memrt.memory.offload.disk import DiskTier
+
+    config = load_config(warn_unknown=False) if directory is None or verify is None else None
+    parent = directory if directory is not None else config.offload_dir
+    if verify is None:
+        verify = config.log_level == "debug"
+    folder = cleanup.make_private_dir(parent)
+    return DiskTier(folder, device, verify=bool(verify), max_pending_bytes=max_pending_bytes,
+                    on_trace=on_trace), folder
+
+
+def check_free_space(directory: Path, required_bytes: int, *, margin: float = 0.1) -> None:
+    """Raise :class:`OffloadError` naming ``directory`` when it cannot hold ``required_bytes`` (+margin)."""
+    import shutil
+
+    free = shutil.disk_usage(directory).free
+    need = int(required_bytes * (1.0 + margin))
+    if free < need:
+        from memrt.sizes import format_bytes
+
+        raise OffloadError(
+            f"offload folder {directory} has {format_bytes(free)} free but the plan writes up to "
+            f"{format_bytes(required_bytes)} per step (+{margin:.0%} margin); set MEMRT_OFFLOAD_DIR to a "
+            f"disk with more space, raise MEMRT_BUDGET, or set MEMRT_OFFLOAD=host|none")
+
+
+def _stats(tier_name: str, device: torch.device, directory: Path | None, t: Any, n: dict[str, int], *,
+           held_bytes: int, held_peak_bytes: int, wait_seconds: float) -> OffloadStats:
+    pool = getattr(t, "pool", None)
+    return OffloadStats(
+        tier=tier_name, device=str(device), directory=str(directory) if directory is not None else None,
+        tensors_offloaded=n["offloaded"], tensors_deduplicated=n["dedup"], tensors_kept_small=n["small"],
+        tensors_kept_param=n["param"], bytes_offloaded=t.bytes_written, bytes_restored=t.bytes_read,
+        device_held_bytes=held_bytes, device_held_peak_bytes=held_peak_bytes,
+        host_bytes=pool.used_bytes if pool else 0, host_peak_bytes=pool.peak_bytes if pool else 0,
+        host_pool_capacity_bytes=pool.capacity_bytes if pool else 0,
+        pinned_allocations=pool.allocations if pool else 0,
+        disk_bytes=getattr(t, "disk_bytes", 0), disk_peak_bytes=getattr(t, "disk_peak_bytes", 0),
+        write_seconds=getattr(t, "write_seconds", 0.0), read_seconds=getattr(t, "read_seconds", 0.0),
+        wait_seconds=wait_seconds, prefetch_hits=n["hits"], prefetch_misses=n["misses"])
 
 def plan_bytes(plan, tier: str) -> int:
     """Bytes a plan (``memrt.Plan``-like: ``units`` with ``action`` and ``bytes_moved``) sends to ``tier`` per step."""
