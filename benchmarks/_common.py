@@ -231,11 +231,13 @@ RECORDS_DIR = Path(__file__).resolve().parent / "records"
 
 
 def write_record(rid: str, *, benchmark: str, topic: str, claim: str, figures: dict[str, Any], baseline: str,
-                 info: dict[str, Any], target: str | None = None, out_dir: str | os.PathLike = RECORDS_DIR) -> Path:
+                 info: dict[str, Any], target: str | None = None, tables: list[dict[str, Any]] | None = None,
+                 out_dir: str | os.PathLike = RECORDS_DIR) -> Path:
     """Write one results record (``<out_dir>/<rid>-<date>.json``) for ``python -m benchmarks.render``.
 
     ``figures`` needs a one-line ``detail`` (and a ``summary`` for the README's headline table); ``info`` is
-    :func:`machine_info` of the run. The commit is ``git rev-parse --short HEAD`` of this checkout, or None.
+    :func:`machine_info` of the run; ``tables``: full tables (``title``, ``headers``, ``rows``) for a page's
+    ``results:tables:<id>`` region. The commit is ``git rev-parse --short HEAD`` of this checkout, or None.
     """
     import subprocess
 
@@ -249,6 +251,8 @@ def write_record(rid: str, *, benchmark: str, topic: str, claim: str, figures: d
     record = {"id": rid, "benchmark": benchmark, "topic": topic, "claim": claim, "machine": machine,
               "torch": info["torch"], "commit": commit, "date": date, "figures": figures, "baseline": baseline,
               "target": target, "command": info["command"], "source": "written by the benchmark"}
+    if tables:
+        record["tables"] = tables
     return write_json(out_dir, f"{rid}-{date}", record)
 
 

@@ -113,3 +113,20 @@ def test_mixed_cluster_job_quick(tmp_path):
     assert 0 < job["homogeneous_stock_over_bound"] and "homogeneous:" in out
     assert job["max_param_diff_stock_vs_its_reference"] == 0.0, job
     assert job["loss_rel_diff"] <= 0.01 and "split refs:" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_slow_link_sync_quick(tmp_path):
+    # the learning benchmark of MEMRT_SYNC=diloco: real text, held-out eval, torch's post-local SGD in the same run
+    data, out = _run(["benchmarks.slow_link_sync", "--arms", "stock,post-local-sgd-6,diloco-3"], tmp_path, 500)
+    res = data["results"]
+    assert set(res) == {"stock", "post-local-sgd-6", "diloco-3"} and data["failed"] == [], out[-2000:]
+    for name, r in res.items():
+        assert r["steps"] == 12 and r["tokens_per_s"] > 0 and r["finite"], (name, r)
+        assert [p[0] for p in r["curve"]] == [0, 6, 12], r["curve"]  # eval at the start, every 6 steps, the end
+        assert r["curve"][0][3] == res["stock"]["curve"][0][3]  # the same initial model and eval windows
+    assert res["stock"]["vs_stock"] == 1.0 and res["stock"]["loss_vs_stock"] == 0.0
+    assert res["diloco-3"]["sync_line"] and "12 inner steps, 4 outer steps" in res["diloco-3"]["sync_line"]
+    assert res["diloco-3"]["final_eval_loss"] != res["stock"]["final_eval_loss"]  # another algorithm
+    assert (tmp_path / "slow_link_sync.png").exists()
