@@ -33,7 +33,7 @@ RECORDS = ROOT / "benchmarks" / "records"
 MAX_HEADLINE = 8
 """At most this many results in the README's headline table."""
 
-_REGION = re.compile(r"(<!-- results:(?P<name>[a-z_:\-]+):begin -->\n)(?P<body>.*?)(<!-- results:(?P=name):end -->)",
+_REGION = re.compile(r"(<!-- results:(?P<name>[a-z0-9_:\-]+):begin -->\n)(?P<body>.*?)(<!-- results:(?P=name):end -->)",
                      re.DOTALL)
 _FOOTER = ("<sub>Rendered by `python -m benchmarks.render` from `benchmarks/records/`; each record holds the machine, "
            "torch version, commit and date of its run.</sub>")
