@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from memrt.testing.balance import DictStore
 import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DistributedSampler
@@ -155,27 +157,10 @@ def test_loss_reduction_is_read_from_the_autograd_graph():
     assert classify_loss((x.exp() * 2).log().max()) == "unknown"
 
 
-class _Store:
-    def __init__(self):
-        self.d = {}
-
-    def set(self, k, v):
-        self.d[k] = v.encode() if isinstance(v, str) else v
-
-    def get(self, k):
-        return self.d[k]
-
-    def delete_key(self, k):
-        return self.d.pop(k, None) is not None
-
-    def wait(self, keys, timeout=None):
-        missing = [k for k in keys if k not in self.d]
-        if missing:
-            raise RuntimeError(f"missing {missing}")
 
 
 def _controller(mode="auto"):
-    ctl = Controller(store=_Store(), rank=0, world=2, config=AutoBalanceConfig(mode=mode))
+    ctl = Controller(store=DictStore(), rank=0, world=2, config=AutoBalanceConfig(mode=mode))
     share = _share(64, 2, 8, True, False, False, 0)
     ctl.add_loader(share)  # the controller holds it weakly, as its DataLoader would hold it strongly
     _KEEP.append(share)
@@ -231,7 +216,7 @@ def test_one_kind_of_window_for_every_rank():
 
 
 def test_a_dropped_dataloader_leaves_the_controller():
-    ctl = Controller(store=_Store(), rank=0, world=2, config=AutoBalanceConfig())
+    ctl = Controller(store=DictStore(), rank=0, world=2, config=AutoBalanceConfig())
     ctl.add_loader(_share(64, 2, 8, True, False, False, 0))
     assert ctl.loaders == [None] and ctl.figures()["loaders"][0][0] == -2
 
@@ -267,7 +252,7 @@ def test_new_shares_start_with_a_gradient_accumulation_window():
 def test_speed_is_the_median_of_the_latest_steps_across_exchanges():
     """One exchange's window is short and noisy: a rank's speed pools its latest ``speed_steps`` timed steps,
     whatever exchanges fell between them, and forgets older ones."""
-    ctl = Controller(store=_Store(), rank=0, world=1, config=AutoBalanceConfig(speed_steps=5))
+    ctl = Controller(store=DictStore(), rank=0, world=1, config=AutoBalanceConfig(speed_steps=5))
     share = _share(64, 1, 8, True, False, False, 0)
     ctl.add_loader(share)
     for seconds in (0.1, 0.1, 0.1):

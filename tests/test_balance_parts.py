@@ -9,6 +9,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+
+from memrt.testing.balance import DictStore
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -23,23 +25,6 @@ from memrt.balance.shares import Shares
 from memrt.balance.timing import StepTimer
 
 
-class _Store:
-    def __init__(self):
-        self.d = {}
-
-    def set(self, k, v):
-        self.d[k] = v.encode() if isinstance(v, str) else v
-
-    def get(self, k):
-        return self.d[k]
-
-    def delete_key(self, k):
-        return self.d.pop(k, None) is not None
-
-    def wait(self, keys, timeout=None):
-        missing = [k for k in keys if k not in self.d]
-        if missing:
-            raise RuntimeError(f"missing {missing}")
 
 
 # ------------------------------------------------------------------------------------------- speed window
@@ -58,7 +43,7 @@ def test_meter_median_skip_and_forward_window():
 
 # ----------------------------------------------------------------------------------------------- exchange
 def test_store_exchange_rounds_in_rank_order_and_cleans_up():
-    store = _Store()
+    store = DictStore()
     store.set("b/1/1", json.dumps({"x": 2}))  # rank 1 posted first
     ex = StoreExchange(store, rank=0, world=2, prefix="b")
     assert ex.gather({"x": 1}) == [{"x": 1}, {"x": 2}]
@@ -208,7 +193,7 @@ def test_hook_applies_the_observers_factor_and_skips_a_factor_of_one():
 def test_controller_hook_state_and_public_timing_flag():
     from memrt.balance.auto import Controller
 
-    ctl = Controller(store=_Store(), rank=0, world=2, config=AutoBalanceConfig())
+    ctl = Controller(store=DictStore(), rank=0, world=2, config=AutoBalanceConfig())
     st = ctl.hook_state(inner_hook=_echo, inner_state=None, is_timer=False)
     assert st.observer is not None and st.world_size == 2 and not ctl.timing_attached
     assert st.observer.bucket_ready() == 1.0 and ctl.steps == 0  # a model that is not timed counts no steps

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Spec", "epochs_run", "make_dataset", "make_model", "reference_params", "side_by_side"]
+__all__ = ["DictStore", "Spec", "epochs_run", "make_dataset", "make_model", "reference_params", "side_by_side"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,3 +231,26 @@ def epochs_run(rank: int, world: int, spec_dict: dict, epochs: int = 2) -> dict[
     return {"rank": rank, "steps_per_epoch": steps, "local_samples": local,
             "params": [p.detach().numpy().copy() for p in model.parameters()],
             "shares": list(bal.shares.per_rank), "decisions": [asdict(d) for d in bal.decisions], "comm": bal.comm}
+
+
+class DictStore:
+    """An in-process key-value store with the part of c10d's ``Store`` the balancer uses (set, get,
+    delete_key, wait), for tests of one process: ``wait`` raises at once for a missing key instead of blocking."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def set(self, k: str, v: str | bytes) -> None:
+        self.d[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k: str) -> bytes:
+        return self.d[k]
+
+    def delete_key(self, k: str) -> bool:
+        return self.d.pop(k, None) is not None
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        missing = [k for k in keys if k not in self.d]
+        if missing:
+            raise RuntimeError(f"missing {missing}")
+
