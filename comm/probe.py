@@ -370,7 +370,7 @@ def _op_overheads(nodes: tuple[tuple[int, ...], ...], vals: Sequence[float], bar
     """Per-call overheads of ``_OTHER_OPS`` from their timings (``_call_times``' order): measured minus
     modelled, as all-reduce's, keyed by ``costmodel.overhead_key``."""
     from memrt.comm import costmodel as cm
-    from memrt.comm.opcost import predict
+    from memrt.comm.costmodel import predict
 
     world = sum(len(n) for n in nodes)
     small, mid = {}, {}

@@ -18,7 +18,7 @@ The comm log prints the two together as :attr:`Decision.label` (``hier+int8``).
   (:mod:`memrt.comm.measured_pick`; :func:`after_trials` once its trials ran), then the compression the
   call asked for. Its ``reason`` is the comm log's: the trials' outcome or the compression's, else "".
 
-Predictions come from :func:`memrt.comm.opcost.predict` with the links measured by :mod:`memrt.comm.probe`
+Predictions come from :func:`memrt.comm.costmodel.predict` with the links measured by :mod:`memrt.comm.probe`
 (or conservative defaults before a probe). :func:`tier_bytes` is the one count of bytes sent per tier.
 """
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memrt.comm import costmodel as cm
-from memrt.comm.opcost import predict
+from memrt.comm.costmodel import predict
 from memrt.comm.reduction import op_name
 
 if TYPE_CHECKING:

@@ -70,7 +70,7 @@ def _reduce_scatter_arms(sizes: list[int], reps: int, model: Any) -> dict[str, A
     import torch
     import torch.distributed as tdist
 
-    from memrt.comm import api, opcost
+    from memrt.comm import api, costmodel
     from memrt.comm.compress import FeedbackKey
     from memrt.comm.setup import STATE, override
 
@@ -88,7 +88,7 @@ def _reduce_scatter_arms(sizes: list[int], reps: int, model: Any) -> dict[str, A
             key = FeedbackKey(owner=("bench", "reduce_scatter", a)) if codec else None
             with override(comm="hier"):
                 row[a] = {"measured": timed(lambda: api.reduce_scatter_tensor(o, x, compress=codec, key=key), reps),
-                          "predicted": opcost.predict("hier", x.numel() * 4, topo.nodes, model, codec=codec,
+                          "predicted": costmodel.predict("hier", x.numel() * 4, topo.nodes, model, codec=codec,
                                                       op="reduce_scatter")}
         out[str(x.numel() * 4)] = row
     return out
@@ -100,7 +100,7 @@ def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseli
     import torch.distributed as tdist
 
     import memrt.comm as dist
-    from memrt.comm import api, opcost, probe, select
+    from memrt.comm import api, costmodel, probe, select
     from memrt.comm.setup import STATE, override
     from memrt.profiling.recorder import get_recorder
 
@@ -125,7 +125,7 @@ def _measure(*, sizes: list[int], reps: int, algorithms: tuple[str, ...], baseli
         for a in algos:
             with override(comm="flat" if a == "flat" else "hier"):
                 row[a] = {"measured": timed(_caller(x, a), reps_for(n)),
-                          "predicted": opcost.predict(a.split("+", 1)[0], n, topo.nodes, model,
+                          "predicted": costmodel.predict(a.split("+", 1)[0], n, topo.nodes, model,
                                                       codec=a.split("+", 1)[1] if "+" in a else None)}
         d = select.choose("all_reduce", n, torch.float32, topo, api.settings(), model=model)
         row["auto"] = {"algorithm": d.label, "reason": d.reason}

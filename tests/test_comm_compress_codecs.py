@@ -186,7 +186,7 @@ def test_auto_compresses_only_where_the_cost_model_predicts_ten_percent():
     from types import SimpleNamespace
 
     from memrt.comm import costmodel as cm
-    from memrt.comm.opcost import predict
+    from memrt.comm.costmodel import predict
     from memrt.comm.select import choose
     from memrt.config import load_config
 

@@ -13,7 +13,7 @@ import torch
 from memrt.comm import costmodel as cm
 from memrt.comm.explain import busbw_factor, explain, explain_rows, size_bucket
 from memrt.comm.probe import cache_path, fit_alpha_beta, topology_key
-from memrt.comm.opcost import predict
+from memrt.comm.costmodel import predict
 from memrt.comm.select import choose, tier_bytes
 from memrt.config import load_config
 
@@ -116,7 +116,6 @@ def test_choice_crosses_over_with_size():
 
 def test_each_op_uses_its_own_call_overhead():
     """An op's prediction takes its own measured overhead; a model probed without one takes all-reduce's."""
-    from memrt.comm import opcost
 
     nodes = ((0, 1), (2, 3))
     links = dict(intra=cm.TierLink(alpha_s=1e-3, beta_s_per_byte=1e-10), inter=cm.TierLink(alpha_s=1e-4, beta_s_per_byte=1e-8))
@@ -125,17 +124,17 @@ def test_each_op_uses_its_own_call_overhead():
     own = cm.LinkModel(**links, call_overhead_s={"flat": 5e-3, "hier": 0.0, "broadcast:flat": 2e-3,
                                               "broadcast:hier": -1e-4})
     n = 1 << 18
-    assert opcost.flat_broadcast(nodes, n, shared) == pytest.approx(opcost.flat_broadcast(nodes, n, bare) + 5e-3)
-    assert opcost.flat_broadcast(nodes, n, own) == pytest.approx(opcost.flat_broadcast(nodes, n, bare) + 2e-3)
-    assert opcost.hierarchical_broadcast(nodes, n, own) == pytest.approx(
-        opcost.hierarchical_broadcast(nodes, n, bare) - 1e-4)
+    assert cm.flat_broadcast(nodes, n, shared) == pytest.approx(cm.flat_broadcast(nodes, n, bare) + 5e-3)
+    assert cm.flat_broadcast(nodes, n, own) == pytest.approx(cm.flat_broadcast(nodes, n, bare) + 2e-3)
+    assert cm.hierarchical_broadcast(nodes, n, own) == pytest.approx(
+        cm.hierarchical_broadcast(nodes, n, bare) - 1e-4)
     # other ops of the same model keep all-reduce's figure
-    assert opcost.flat_all_gather(nodes, n, own) == pytest.approx(opcost.flat_all_gather(nodes, n, bare) + 5e-3)
+    assert cm.flat_all_gather(nodes, n, own) == pytest.approx(cm.flat_all_gather(nodes, n, bare) + 5e-3)
     # the mid-size figure applies by size as for all-reduce
     mid = cm.LinkModel(**links, call_overhead_s={"reduce_scatter:hier": 1e-3}, mid_overhead_s={"reduce_scatter:hier": 3e-3})
     for size, extra in ((0, 1e-3), (1 << 19, 2e-3), (1 << 22, 3e-3)):
-        assert opcost.hierarchical_reduce_scatter(nodes, size, mid) == pytest.approx(
-            opcost.hierarchical_reduce_scatter(nodes, size, bare) + extra)
+        assert cm.hierarchical_reduce_scatter(nodes, size, mid) == pytest.approx(
+            cm.hierarchical_reduce_scatter(nodes, size, bare) + extra)
 
 
 def test_tier_bytes_per_algorithm():

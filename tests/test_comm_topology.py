@@ -168,12 +168,12 @@ def test_broadcast_cost_counts_flows_sharing_a_link():
     """gloo's tree from rank 0 on 0,1;2,3: round 1 stays in node 0, round 2 sends 0->2 and 1->3 at once:
     two flows on one link, twice one flow's time (as measured: gloo 4.5 s, memrt's hier 2.25 s at 256 MiB,
     1 Gbit/s, docs/sections/benchmarks.md)."""
-    from memrt.comm import opcost
+    from memrt.comm import costmodel as cm
 
-    assert opcost._tree_rounds(((0, 1), (2, 3)), 0) == [0, 2]
-    assert opcost._tree_rounds(((0, 2), (1, 3)), 0) == [1, 0]
+    assert cm._tree_rounds(((0, 1), (2, 3)), 0) == [0, 2]
+    assert cm._tree_rounds(((0, 2), (1, 3)), 0) == [1, 0]
     links, n = _links(2.0), 256 * 2**20
-    flat, hier = opcost.flat_broadcast(((0, 1), (2, 3)), n, links), opcost.hierarchical_broadcast(((0, 1), (2, 3)),
+    flat, hier = cm.flat_broadcast(((0, 1), (2, 3)), n, links), cm.hierarchical_broadcast(((0, 1), (2, 3)),
                                                                                                  n, links)
     assert 1.9 < flat / hier < 2.1
 
@@ -200,8 +200,7 @@ def test_every_op_chooses_by_predicted_time_forced_modes_and_fallbacks(op):
 def test_gloo_reduce_scatter_costs_a_whole_all_reduce():
     """gloo runs reduce_scatter_tensor as an all-reduce of the whole input; other backends as a ring reduce-scatter."""
     from memrt.comm import costmodel as cm
-    from memrt.comm import opcost
 
     nodes, links, n = ((0, 1), (2, 3)), _links(2.0), 64 * 2**20
-    assert opcost.flat_reduce_scatter(nodes, n, links, backend="gloo") == cm.flat_all_reduce(nodes, n, links)
-    assert opcost.flat_reduce_scatter(nodes, n, links, backend="nccl") < cm.flat_all_reduce(nodes, n, links)
+    assert cm.flat_reduce_scatter(nodes, n, links, backend="gloo") == cm.flat_all_reduce(nodes, n, links)
+    assert cm.flat_reduce_scatter(nodes, n, links, backend="nccl") < cm.flat_all_reduce(nodes, n, links)

@@ -173,11 +173,7 @@ class OffloadEngine:
             raise OffloadError(f"unknown offload tier {tier!r}: expected one of {', '.join(TIERS)} (MEMRT_OFFLOAD)")
         if min_bytes < 0 or prefetch_units < 0:
             raise ValueError(f"min_bytes={min_bytes} and prefetch_units={prefetch_units} must be >= 0")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _training_device(device)
         self.tier_name = tier
         self.min_bytes = int(min_bytes)
         self.prefetch_units = int(prefetch_units)
@@ -199,7 +195,7 @@ class OffloadEngine:
         self._tier, self.directory = _open_tier(tier, self.device, directory=directory, verify=verify,
                                                 max_pending_bytes=max_pending_bytes, host_pool_bytes=host_pool_bytes,
                                                 required_bytes=required_bytes,
-                                                on_trace=self._trace if record else None)
+                                                on_trace=_record_trace if record else None)
         self._finalizer = weakref.finalize(self, _close_tier, self._tier, self.directory)
         if required_bytes and tier == "disk":
             try:
@@ -259,7 +255,7 @@ class OffloadEngine:
 
     def stats(self) -> OffloadStats:
         return _stats(self.tier_name, self.device, self.directory, self._tier, self._n,
-                      held_bytes=self._held_now(), held_peak_bytes=self._held.peak, wait_seconds=self._wait_seconds)
+                      held_bytes=self._held.bytes, held_peak_bytes=self._held.peak, wait_seconds=self._wait_seconds)
 
     def publish(self) -> OffloadStats:
         """Put the current stats in the recorder's meta (key ``offload``) and return them."""
@@ -300,23 +296,12 @@ class OffloadEngine:
     def _pack(self, t: torch.Tensor, group: _Group):
         if self._closed:
             return t
-        if (t.layout != torch.strided or t.device != self.device or t.is_conj() or t.is_neg()
-                or type(t) not in (torch.Tensor, nn.Parameter)):
-            self._n["param"] += 1
-            return t
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or (
-                t._base is not None and t._base.is_leaf and t._base.requires_grad):
-            self._n["param"] += 1
+        stays = _stays_on_device(t, self.device, self.min_bytes, self._keep_ptrs)
+        if stays is not None:
+            self._n[stays] += 1
             return t
         storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes < self.min_bytes or t.numel() * t.element_size() < self.min_bytes:
-            self._n["small"] += 1
-            return t
-        key = storage.data_ptr()
-        if key in self._keep_ptrs:
-            self._n["param"] += 1
-            return t
+        nbytes, key = storage.nbytes(), storage.data_ptr()
         self._tier.check()
         with self._lock:
             entry = self._by_storage.get(key)
@@ -403,23 +388,44 @@ class OffloadEngine:
             if group.live == 0 and group in self._order:
                 self._order.remove(group)
 
-    def _held_now(self) -> int:
-        """Device bytes the engine holds: sources not yet written (CPU device), loaded data, loads in flight.
-
-        A running total kept by the entries themselves (O(1); a scan of every live entry per pack would
-        make a step O(n^2) in its saved tensors)."""
-        return self._held.bytes
-
-    def _trace(self, name: str, start: float, end: float, **args) -> None:
-        from memrt.profiling.recorder import get_recorder
-
-        get_recorder().record_trace(name, start, end, **args)
-
     def _check_open(self) -> None:
         if self._closed:
             raise OffloadError("this offload engine is closed; create a new one (memrt.apply does this per plan)")
         self._tier.check()
 
+
+def _training_device(device: str | torch.device | None) -> torch.device:
+    """``device`` with its index filled in; by default the current CUDA device if there is one, else the CPU."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _stays_on_device(t: torch.Tensor, device: torch.device, min_bytes: int, keep_ptrs: set[int]) -> str | None:
+    """Why a saved tensor is not offloaded, as the stats counter it counts under ('param' for parameters,
+    views of trainable leaves, kept storages and tensors the tier cannot hold; 'small' under ``min_bytes``),
+    or None when it is offloaded."""
+    if (t.layout != torch.strided or t.device != device or t.is_conj() or t.is_neg()
+            or type(t) not in (torch.Tensor, nn.Parameter)):
+        return "param"
+    if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or (
+            t._base is not None and t._base.is_leaf and t._base.requires_grad):
+        return "param"
+    storage = t.untyped_storage()
+    if storage.nbytes() < min_bytes or t.numel() * t.element_size() < min_bytes:
+        return "small"
+    if storage.data_ptr() in keep_ptrs:
+        return "param"
+    return None
+
+
+def _record_trace(name: str, start: float, end: float, **args) -> None:
+    from memrt.profiling.recorder import get_recorder
+
+    get_recorder().record_trace(name, start, end, **args)
 
 
 def _open_tier(tier: str, device: torch.device, *, directory: str | Path | None, verify: bool | None,
