@@ -23,6 +23,7 @@ COMMANDS = {
     "demo": ("memrt.demo", "short GPT-style training, stock vs memrt, side by side"),
     "report": ("memrt.profiling.report", "merge per-rank files of a run into text, JSON and plots"),
     "bench": ("memrt.bench", "probe links and benchmark collectives (memrt bench comm)"),
+    "project": ("memrt.comm.project", "predict a job's step time on bigger clusters from a run's report"),
 }
 
 
