@@ -73,7 +73,7 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=3.1"],
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "expecttest", "mpi4py>=3.1", "mpich", "matplotlib", "transformers>=5",
-                 "accelerate>=1.0", "import-linter>=2.17"],
+                 "accelerate>=1.0", "pytorch-lightning>=2.0", "import-linter>=2.17"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["memrt=memrt.cli:main"]},

@@ -12,7 +12,8 @@ Arms (each launches ``tests/scripts/train_bytes_lm.py``, which imports no memrt,
 same data): ``stock`` (DDP over gloo: the baseline of every ratio), ``memrt`` (``MEMRT=1``, exact),
 ``memrt-int8`` (``MEMRT_COMPRESS=int8``), ``post-local-sgd-H`` (torch's ``PostLocalSGDOptimizer`` +
 ``PeriodicModelAverager`` with period H and ``post_localSGD_hook`` per node: what a user of torch alone would
-write), ``diloco-H`` (``MEMRT=1 MEMRT_SYNC=diloco MEMRT_SYNC_EVERY=H``).
+write), ``diloco-H`` (``MEMRT=1 MEMRT_SYNC=diloco MEMRT_SYNC_EVERY=H``), ``diloco-H-fK`` (the same with
+``MEMRT_SYNC_FRAGMENTS=K``: K fragments streamed, each exchange overlapped with the next inner step).
 
 Reported per arm: tokens/s of training (evaluation left out) and its ratio to stock; the eval loss on the
 held-out files at the end and relative to stock's at the same step (``--stock-steps`` shorter than
@@ -48,6 +49,9 @@ def _arms(quick: bool) -> dict[str, tuple[list[str], dict[str, str]]]:
         arms[f"post-local-sgd-{h}"] = (["--post-local-sgd", str(h)], {})
     for h in ((3, 6) if quick else (10, 50, 200)):
         arms[f"diloco-{h}"] = ([], {"MEMRT": "1", "MEMRT_SYNC": "diloco", "MEMRT_SYNC_EVERY": str(h)})
+    for h, k in (((6, 2),) if quick else ((50, 4), (200, 4))):  # streamed: K fragments, each overlapped with a step
+        arms[f"diloco-{h}-f{k}"] = ([], {"MEMRT": "1", "MEMRT_SYNC": "diloco", "MEMRT_SYNC_EVERY": str(h),
+                                         "MEMRT_SYNC_FRAGMENTS": str(k)})
     return arms
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "MemrtConfig",
     "SETTINGS",
     "Setting",
+    "TEST_ONLY_VARIABLES",
     "VARIABLES",
     "budget_capacity_error",
     "cache_dir",
@@ -293,6 +294,14 @@ class MemrtConfig:
     Nesterov step on the nodes' averaged parameter change (memrt.sync; changes the optimization algorithm)."""
     sync_every: int = 50
     """MEMRT_SYNC_EVERY: inner (optimizer) steps between two outer steps under MEMRT_SYNC=diloco; >= 1."""
+    sync_fragments: int = 1
+    """MEMRT_SYNC_FRAGMENTS: K parameter fragments under MEMRT_SYNC=diloco, their outer steps spread over the round
+    and each exchange overlapped with the next inner step (Streaming DiLoCo); >= 1, at most MEMRT_SYNC_EVERY;
+    1: the whole model at once, blocking."""
+    test_device_free: int | None = None
+    """MEMRT_TEST_DEVICE_FREE: TEST ONLY, not a user setting. Bytes (or a size, 600MB): under MEMRT=1 without
+    MEMRT_BUDGET, memrt plans as on a device with this much free memory, on any device (CPU included): the
+    fit-the-device budget is this figure less the margin (memrt.memory.fit). None (unset) changes nothing."""
     cache_dir: str = field(default_factory=lambda: cache_dir())
     """Where memrt keeps what it measured once per machine (link and copy bandwidths): ``$XDG_CACHE_HOME/memrt``,
     else ``~/.cache/memrt``. Not a MEMRT_* variable: read from the environment with the settings."""
@@ -319,11 +328,15 @@ class MemrtConfig:
             if getattr(self, fname) not in choices:
                 raise ConfigError(_FIELD_TO_VAR[fname], getattr(self, fname), "one of " + "|".join(choices))
         _positive_int("MEMRT_SYNC_EVERY", self.sync_every)
+        _positive_int("MEMRT_SYNC_FRAGMENTS", self.sync_fragments)
 
     def effective(self) -> dict[str, dict[str, Any]]:
-        """Variable name -> {"value": printable value, "source": where it came from}."""
+        """Variable name -> {"value": printable value, "source": where it came from}; a test-only setting
+        (:data:`TEST_ONLY_VARIABLES`) only when it is set."""
         out = {}
         for var, fname in _VAR_TO_FIELD.items():
+            if var in TEST_ONLY_VARIABLES and self.sources.get(var, "default") == "default":
+                continue
             value = getattr(self, fname)
             if isinstance(value, Budget):
                 value = str(value)
@@ -351,6 +364,9 @@ class Setting:
     agree: bool = False
     """True when every rank of a job must use the same value (different values run different collectives
     or plans that must match): compared across ranks when the process group starts (:mod:`memrt.agreement`)."""
+    test_only: bool = False
+    """True for a testing aid that is not a user setting: not in README's settings table; the banner and
+    ``memrt info`` show it only when it is set, marked test only."""
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -370,6 +386,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_GC_FREEZE", "gc_freeze", parse_bool),
     Setting("MEMRT_SYNC", "sync", _choice(SYNC_CHOICES), agree=True),
     Setting("MEMRT_SYNC_EVERY", "sync_every", _positive_int, agree=True),
+    Setting("MEMRT_SYNC_FRAGMENTS", "sync_fragments", _positive_int, agree=True),
+    Setting("MEMRT_TEST_DEVICE_FREE", "test_device_free", parse_size, test_only=True),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
 its MemrtConfig field; ``agree=True`` makes start-up compare it across ranks."""
@@ -379,6 +397,8 @@ _VAR_TO_FIELD = {s.var: s.field for s in SETTINGS}
 _FIELD_TO_VAR = {f: var for var, f in _VAR_TO_FIELD.items()}
 AGREED_VARIABLES = tuple(s.var for s in SETTINGS if s.agree)
 """Variables every rank of a job must set to the same value."""
+TEST_ONLY_VARIABLES = tuple(s.var for s in SETTINGS if s.test_only)
+"""Testing aids, not user settings (:attr:`Setting.test_only`)."""
 VARIABLES = tuple(_PARSERS)
 """Every MEMRT_* variable memrt understands."""
 
@@ -427,6 +447,8 @@ def _already_typed(fname: str, parse: Callable[[str, Any], Any], raw: Any) -> bo
         return isinstance(raw, Budget)
     if fname == "topology":
         return isinstance(raw, tuple)
+    if fname == "test_device_free":
+        return isinstance(raw, int)
     return False
 
 

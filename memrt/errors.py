@@ -32,18 +32,25 @@ class AgreementError(MemrtError):
 
 class BudgetError(MemrtError):
     """No plan fits the memory budget; ``min_feasible_bytes`` is the smallest that does and
-    ``keep_all_bytes`` (when the planner knows it) the peak with nothing recomputed or offloaded."""
+    ``keep_all_bytes`` (when the planner knows it) the peak with nothing recomputed or offloaded.
+    ``source``: where a budget the user did not give came from (``fit the device: ...``), named in the message."""
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "", *,
-                 keep_all_bytes: int | None = None) -> None:
+                 keep_all_bytes: int | None = None, source: str | None = None) -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
         self.keep_all_bytes = None if keep_all_bytes is None else int(keep_all_bytes)
+        self.detail, self.source = detail, source
         msg = (
             f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is infeasible: the smallest "
             f"feasible budget is {format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes); "
-            f"raise MEMRT_BUDGET (or budget=) to at least that"
         )
+        if source is None:
+            msg += "raise MEMRT_BUDGET (or budget=) to at least that"
+        else:
+            msg = (f"no MEMRT_BUDGET, so the budget came from the device's free memory ({source}): {msg}"
+                   f"free more memory on the device (that much plus the margin), or set MEMRT_BUDGET "
+                   f"(e.g. MEMRT_BUDGET={min_feasible_bytes}) to plan for a budget of your own")
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)

@@ -108,6 +108,7 @@ def test_torchrun_memrt_on(reference, tmp_path):
         (model,) = act["models"]
         assert model["kind"] == "ddp" and model["memory"].startswith("planned"), model
         assert model["comm_hook"].startswith("memrt.comm"), model
+        assert model["grads_via"] in ("memrt hook", "memrt pg"), model
         assert act["failures"] == []
     assert "memrt summary" in text and "2/2 ranks reported" in text
     workers = [json.loads(p.read_text()) for p in probe.glob("worker-*.json")]
@@ -237,5 +238,7 @@ def test_memrt_failing_inside_the_hook_lets_the_job_finish(reference, tmp_path, 
     if process_group == "1":  # memrt's group carries DDP on both ranks whatever rank 1's plan did; no hook anywhere
         assert models[0]["comm_hook"] == "memrt.comm process group (no hook needed)", models
         assert not any(m["comm_hook"].startswith("memrt.comm (") for m in models), models
+        assert [m["grads_via"] for m in models] == ["memrt pg", "memrt pg"], models
     else:
         assert "not on every rank" in models[0]["comm_hook"], "rank 1 stepped aside, so no rank may use the hook"
+        assert [m["grads_via"] for m in models] == ["torch", "torch"], models

@@ -148,6 +148,7 @@ def _planned_job(runs: Runs, name: str, models: list[str]) -> tuple[str, dict]:
     for model in act["models"]:
         # memrt's step hook ran for the job's first training forward: step 1 is the profiling step
         assert model["kind"] == "single" and model["memory"].startswith("planned at step 1"), model
+        assert model["grads_via"] == "none", model  # no gradient reduction in one process
     assert len(act["plans"]) == len(models), act["plans"]
     for plan in act["plans"]:  # 3 steps: profiled at 1, planned and measured at 2, certified when 3 begins
         assert plan["measured_peak_bytes"] is not None, plan
@@ -258,7 +259,8 @@ def test_finder_plans_the_top_most_trained_module_and_runs_its_step_hook_for_the
     monkeypatch.setattr(session, "_OFF", False)
     monkeypatch.setattr(session, "_SESSION", None)
     monkeypatch.setattr(wiring, "plan_model", fake_plan)
-    monkeypatch.setattr(report, "begin_single", lambda config: types.SimpleNamespace(models=[], single=True, clock=None))
+    monkeypatch.setattr(report, "begin_single",
+                        lambda config, **_: types.SimpleNamespace(models=[], single=True, clock=None))
     monkeypatch.setattr(single, "_ARMED_PID", os.getpid())  # armed without the atexit line
     monkeypatch.setattr(single, "_CONFIG", load_config({"MEMRT": "1", "MEMRT_BUDGET": "1GiB"}))
     monkeypatch.setenv("MEMRT_AUTOLOAD_ACTIVE", "")  # note_optimizer sets it; monkeypatch removes it afterwards

@@ -118,6 +118,7 @@ def test_memrt_runs_every_pattern_through_its_process_group(memrt_on):
         assert all(m["comm_hook"] == "memrt.comm process group (no hook needed)" for m in ddp), ddp
         fsdp = [m for m in act["models"] if m["kind"] != "ddp"]
         assert fsdp and all("memrt process group" in m["comm_hook"] for m in fsdp), fsdp
+        assert all(m["grads_via"] == "memrt pg" for m in ddp + fsdp), act["models"]
 
 
 @pytest.mark.parametrize("pattern", EAGER)

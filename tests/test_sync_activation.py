@@ -84,6 +84,7 @@ def test_two_nodes_end_with_one_model_after_the_last_outer_step(runs):
         assert s["outer_bytes_total"] == 3 * 4 * numel
         assert s["host_bytes"] >= 2 * 4 * numel  # anchor and momentum, float32
         assert act["models"][0]["comm_hook"].startswith("memrt.sync")
+        assert act["models"][0]["grads_via"] == "memrt.sync"  # recorded where the sync was attached
 
 
 def test_the_last_outer_step_runs_at_exit_without_destroy(runs):

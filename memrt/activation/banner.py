@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memrt._version import __version__
-from memrt.config import MemrtConfig
+from memrt.config import TEST_ONLY_VARIABLES, MemrtConfig
 
 __all__ = ["format_banner", "describe_nodes"]
 
@@ -23,8 +23,9 @@ def describe_nodes(world_size: int, nodes: tuple[tuple[int, ...], ...] | None) -
 
 def format_banner(*, config: MemrtConfig, launcher: str, world_size: int,
                   nodes: tuple[tuple[int, ...], ...] | None, nodes_source: str, backend: str,
-                  run_id: str, report_dir: Path) -> str:
-    """The banner text (several lines, no trailing newline)."""
+                  run_id: str, report_dir: Path, budget: str | None = None) -> str:
+    """The banner text (several lines, no trailing newline). ``budget``: what MEMRT_BUDGET's line says when it is
+    unset (the fit-the-device budget, or that a CPU gets no plan: :func:`memrt.activation.budget.banner_value`)."""
     lines = [
         f"memrt {__version__} on | launcher {launcher} | {describe_nodes(world_size, nodes)}"
         f" ({nodes_source}) | backend {backend or '?'} | run {run_id}",
@@ -33,5 +34,9 @@ def format_banner(*, config: MemrtConfig, launcher: str, world_size: int,
     ]
     for var, item in config.effective().items():
         value = "-" if item["value"] is None else str(item["value"])
+        if var == "MEMRT_BUDGET" and item["value"] is None and budget:
+            value = budget
+        elif var in TEST_ONLY_VARIABLES:
+            value += " (test only)"
         lines.append(f"memrt: {var:<18} {value:<22} {item['source']}")
     return "\n".join(lines)

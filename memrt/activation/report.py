@@ -82,9 +82,10 @@ def begin(config: MemrtConfig) -> Session:
     return _start(sess)
 
 
-def begin_single(config: MemrtConfig) -> Session:
+def begin_single(config: MemrtConfig, *, device: str | None = None) -> Session:
     """Start the session of a process without a process group (:mod:`memrt.activation.single`): a local run
-    id, the same banner and report at exit as a rank of a distributed job."""
+    id, the same banner and report at exit as a rank of a distributed job. ``device``: the trained model's
+    (the banner states the budget memrt derives for it when MEMRT_BUDGET is unset)."""
     existing = _session.current()
     if existing is not None:
         return existing
@@ -95,10 +96,10 @@ def begin_single(config: MemrtConfig) -> Session:
                    report_dir=_session.report_dir_for(config, run_id), backend="none", nodes=((launch.rank,),),
                    nodes_source="single process", single=True,
                    gc_frozen={"objects": 0, "seconds": 0.0, "skipped": "single process"})
-    return _start(sess)
+    return _start(sess, device=device)
 
 
-def _start(sess: Session) -> Session:
+def _start(sess: Session, *, device: str | None = None) -> Session:
     """The session becomes current: leftovers swept, report folder checked, banner on rank 0, report at exit."""
     config, rank = sess.config, sess.rank
     _session.set_current(sess)
@@ -119,9 +120,11 @@ def _start(sess: Session) -> Session:
     get_recorder().set_meta(run_id=sess.run_id, rank=rank, world_size=sess.world_size,
                             launcher=sess.launch.launcher)
     if rank == 0:
+        from memrt.activation.budget import banner_value
+
         text = format_banner(config=config, launcher=sess.launch.launcher, world_size=sess.world_size,
                              nodes=sess.nodes, nodes_source=sess.nodes_source, backend=sess.backend,
-                             run_id=sess.run_id, report_dir=sess.report_dir)
+                             run_id=sess.run_id, report_dir=sess.report_dir, budget=banner_value(sess, device))
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
     atexit.register(at_exit)
@@ -144,10 +147,12 @@ def _device(sess: Session) -> dict[str, Any]:
     return {"kind": dev.type, "name": name, "capacity_bytes": device_capacity_bytes(dev)}
 
 
-def _budget_bytes(config: MemrtConfig, device: dict[str, Any]) -> int | None:
-    """MEMRT_BUDGET in bytes on this rank's device (a share resolves against its capacity), or None."""
+def _budget_bytes(sess: Session, device: dict[str, Any]) -> int | None:
+    """MEMRT_BUDGET in bytes on this rank's device (a share resolves against its capacity), else the first
+    fit-the-device budget memrt derived, or None."""
+    config = sess.config
     if config.budget is None:
-        return None
+        return next((fit.budget_bytes for fit in sess.fits.values() if fit is not None), None)
     if config.budget.bytes is not None:
         return config.budget.bytes
     capacity = device.get("capacity_bytes")
@@ -178,7 +183,8 @@ def _plans(sess: Session) -> list[dict[str, Any]]:
 def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) -> dict[str, Any]:
     """The few numbers rank 0 prints for this rank."""
     actions: Counter = Counter()
-    peak = predicted = budget = None
+    peak = predicted = None
+    budget = next((fit.budget_bytes for fit in sess.fits.values() if fit is not None), None)  # fit the device
     for plan in plans:
         for unit in plan.get("units", []):
             actions[unit.get("action", "?")] += 1
@@ -194,24 +200,13 @@ def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) ->
             "actions": dict(actions), "comm_calls": len(comm), "tier_bytes": dict(tiers),
             "comm_seconds": sum(float(getattr(r, "seconds", 0.0) or 0.0) for r in comm),
             "grads": gradient_path(sess.models), "failures": len(_failures(sess)),
+            "budget_source": "; ".join(dict.fromkeys(m["budget_source"] for m in sess.models
+                                                     if m.get("budget_source"))) or None,
             "step": sess.clock.summary() if sess.clock is not None else None}
 
 
 def _path_of(entry: dict[str, Any]) -> str:
-    hook = str(entry.get("comm_hook", ""))
-    if str(entry.get("sync", "")).startswith("diloco every"):
-        return "memrt.sync"
-    if entry.get("kind") == "single":
-        return "none"
-    if hook.startswith("memrt.comm (compress=none)"):
-        return "memrt hook"
-    if hook.startswith("memrt.comm (compress="):
-        return "memrt hook+" + hook.split("compress=", 1)[1].rstrip(")")
-    if hook.startswith("memrt.comm reduce-scatter"):
-        return "memrt rs+" + hook.split("compress=", 1)[1].rstrip(")")
-    if hook.startswith(("memrt.comm process group", "memrt process group")):
-        return "memrt pg"
-    return "torch"
+    return str(entry.get("grads_via", "torch"))
 
 
 def gradient_path(models: list[dict[str, Any]]) -> str:
@@ -234,8 +229,9 @@ SUMMARY_HEADER = (f"memrt: {'rank':>4} {'budget':>11} {'peak':>11} {'predicted':
                   f"{'comm':>5} {'bytes per tier':<28} {'grads via':<14} fail")
 """The memory and communication table's header (docs/sections/profiling.md explains each column)."""
 STEP_HEADER = (f"memrt: {'rank':>4} {'steps':>6} {'step ms':>9} {'data':>7} {'forward':>8} {'backward':>9} "
-               f"{'optim':>7} {'other':>7}  {'comm s':>8}")
-"""The step-time table's header: mean milliseconds per step (memrt.activation.steptime), total comm seconds."""
+               f"{'exposed':>8} {'wait':>7} {'optim':>7} {'other':>7}  {'comm s':>8}")
+"""The step-time table's header: mean milliseconds per step (memrt.activation.steptime; ``exposed`` and ``wait``
+split the backward's end across ranks, steptime.split_grad_wait), total comm seconds."""
 
 
 def _ms(seconds: float) -> str:
@@ -255,12 +251,17 @@ def format_summary(sess: Session, summaries: list[dict[str, Any]], missing: list
                      f"{s.get('grads', '-'):<14} {s['failures']}")
     timed = [s for s in ordered if s.get("step")]
     if timed:
+        from memrt.activation.steptime import split_grad_wait
+
         lines.append(STEP_HEADER)
-        for s in timed:
-            t = s["step"]
+        steps = [{"grad_wait": 0.0, **s["step"]} for s in timed]
+        for s, t, (exposed, wait) in zip(timed, steps, split_grad_wait(steps)):
             lines.append(f"memrt: {s['rank']:>4} {t['steps']:>6} {_ms(t['step']):>9} {_ms(t['data']):>7} "
-                         f"{_ms(t['forward']):>8} {_ms(t['backward']):>9} {_ms(t['optimizer']):>7} "
-                         f"{_ms(t['other']):>7}  {s.get('comm_seconds', 0.0):>8.2f}")
+                         f"{_ms(t['forward']):>8} {_ms(t['backward']):>9} {_ms(exposed):>8} {_ms(wait):>7} "
+                         f"{_ms(t['optimizer']):>7} {_ms(t['other']):>7}  {s.get('comm_seconds', 0.0):>8.2f}")
+    from memrt.activation.budget import budget_lines
+
+    lines.extend(budget_lines(ordered))  # no MEMRT_BUDGET: where each rank's budget came from
     if missing:
         lines.append(f"memrt: no summary from rank(s) {missing} within {SUMMARY_WAIT_S:.0f}s (see their files)")
     return "\n".join(lines)
@@ -305,10 +306,11 @@ def at_exit() -> None:
             "nodes": [list(n) for n in sess.nodes] if sess.nodes else None, "nodes_source": sess.nodes_source,
             "config": sess.config.effective(), "models": sess.models, "plans": plans,
             "comm_hooks": sess.comm_hooks, "failures": _failures(sess), "device": device,
-            "budget_bytes": _budget_bytes(sess.config, device), "seconds": time.perf_counter() - sess.started_s,
+            "budget_bytes": _budget_bytes(sess, device), "seconds": time.perf_counter() - sess.started_s,
             "balance": sess.balance.report() if sess.balance is not None else None,
             "gc_frozen": sess.gc_frozen, "single_process": sess.single,
             "sync": [sync.summary() for sync in sess.syncs],
+            "step": sess.clock.summary() if sess.clock is not None else None, "links": _measured_links(),
         })
         if sess.report_problem is None:
             recorder.write(sess.report_dir, sess.rank)
@@ -334,11 +336,23 @@ def at_exit() -> None:
         sess.store = None
 
 
+def _measured_links() -> dict[str, Any] | None:
+    """The link figures memrt.comm's probe measured or loaded in this process (for ``memrt project``); None when
+    it ran none (one node, one rank per node, MEMRT_COMM=off)."""
+    costmodel = sys.modules.get("memrt.comm.costmodel")  # never imported here: only a job that used memrt.comm
+    probed = getattr(costmodel, "PROBED", None)
+    if not probed:
+        return None
+    return json.loads(next(reversed(probed.values())).to_json())
+
+
 def format_sync_line(summary: dict[str, Any]) -> str:
     """One summary line for a model under ``MEMRT_SYNC=diloco`` (:meth:`memrt.sync.DiLoCo.summary`)."""
     per_step = summary["outer_bytes_per_step"] / summary["every"]
+    k = summary.get("fragments", 1)
+    streamed = f", {k} fragments streamed" if k > 1 else ""
     return (f"memrt: sync diloco every {summary['every']} steps across {summary['nodes']} nodes: "
-            f"{summary['inner_steps']} inner steps, {summary['outer_steps']} outer steps | across nodes "
+            f"{summary['inner_steps']} inner steps, {summary['outer_steps']} outer steps{streamed} | across nodes "
             f"{format_bytes(summary['outer_bytes_per_step'])} per outer step per rank "
             f"(compress={summary['compress']}; {format_bytes(per_step)} per inner step) | outer state "
             f"{format_bytes(summary['host_bytes'])} host memory")

@@ -101,6 +101,9 @@ class Session:
     optimizer that trains it is built (:func:`memrt.activation.wiring.note_optimizer`)."""
     syncs: list[Any] = field(default_factory=list)
     """The :class:`memrt.sync.DiLoCo` of each such model once its optimizer exists."""
+    fits: dict[str, Any] = field(default_factory=dict)
+    """Device -> its fit-the-device budget (:class:`memrt.memory.fit.DeviceFit`, None on a CPU) when MEMRT_BUDGET
+    is unset: measured when memrt attaches to the first model on that device (:mod:`memrt.activation.budget`)."""
 
 
 def remember_launch(launch: LaunchInfo) -> None:

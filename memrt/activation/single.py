@@ -21,6 +21,7 @@ distributed path (:mod:`memrt.activation.wiring`) never sees its model. Here:
    with a line per model (:func:`summary_lines`).
 
 On CPU without ``MEMRT_BUDGET`` nothing is planned (CPU memory has no capacity to fit): the exit line says so.
+On a GPU without it the model is planned to fit the device (:mod:`memrt.activation.budget`).
 Nothing here runs in a job with a process group (the distributed path's), and nothing draws random numbers.
 """
 
@@ -245,19 +246,19 @@ def _found(module: Any, args: tuple, params: list[Any], owned: list[Any]) -> Any
     entry: dict[str, Any] = {"kind": "single", "index": len(_FOUND) + 1, "module": type(shown).__name__,
                              "parameters": sum(p.numel() for p in params), "optimizer": optimizers,
                              "budget": str(config.budget) if config.budget else None, "memory": "off",
-                             "comm_hook": "none (single process)", "device": device}
+                             "comm_hook": "none (single process)", "grads_via": "none", "device": device}
     found = {"entry": entry, "ref": None}
     _FOUND.append(found)
     if _already_planned(module):
         entry["memory"] = "planned by the script (memrt.auto / memrt.apply): left as it is"
         return None
-    if device.startswith("cpu") and config.budget is None:
+    if device.startswith("cpu") and config.budget is None and config.test_device_free is None:
         entry["memory"] = "not planned: no MEMRT_BUDGET on cpu"
         return None
     from memrt.activation.report import begin_single
     from memrt.activation.wiring import plan_model
 
-    sess = begin_single(config)
+    sess = begin_single(config, device=device)
     sess.plans_of, sess.summary_lines = plans, summary_lines
     sess.models.append(entry)
     if sess.clock is not None:
@@ -447,6 +448,8 @@ def summary_lines(sess: Any) -> list[str]:
         budget = "none (plan for speed)" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
         if entry.get("budget") and entry["budget"].endswith("%"):
             budget += f" = {entry['budget']}"
+        if entry.get("budget_fit") is not None:  # no MEMRT_BUDGET (the summary's budget line has the figures)
+            budget += " = fit the device"
         peak = ("not measured yet (train at least 3 steps)" if plan.measured_peak_bytes is None
                 else f"{format_bytes(plan.measured_peak_bytes)} measured")
         lines.append(f"memrt: model {entry['index']} {_describe(entry)}: {len(plan.units)} units: {units} | "

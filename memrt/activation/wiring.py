@@ -46,10 +46,13 @@ def _device_of(module: Any) -> str | None:
 
 def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: str | None = None) -> None:
     from memrt import auto, disable
+    from memrt.activation.budget import model_budget
 
     try:
-        # the session's settings; a share of the device resolves on this rank's device
-        auto(module, budget=sess.config.budget, offload=offload, config=sess.config)
+        # the session's settings; a share of the device resolves on this rank's device; no MEMRT_BUDGET on a
+        # GPU: fit the device (its free memory now, less the margin)
+        budget, fit = model_budget(sess, _device_of(module), entry)
+        auto(module, budget=budget, offload=offload, config=sess.config)
     except Exception:
         try:
             disable(module)
@@ -58,7 +61,7 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: 
         raise
     sess.tracked.append(weakref.ref(module))
     entry["memory"] = "planned at step 1 (profile), in force from step 2"
-    entry["guarded_steps"] = _guard_steps(module)
+    entry["guarded_steps"] = _guard_steps(module, fit)
 
 
 def plan_model(sess: Session, module: Any, entry: dict[str, Any]) -> None:
@@ -67,26 +70,47 @@ def plan_model(sess: Session, module: Any, entry: dict[str, Any]) -> None:
     _plan_memory(sess, module, entry)
 
 
-def _guard_steps(module: Any) -> bool:
+def _guard_steps(module: Any, fit: Any = None) -> bool:
     """Make a planner error during training (e.g. an infeasible budget found at step 2) a warning.
 
     memrt.auto plans inside the model's forward pre-hook; without this its exception would end the job.
     The guard (memrt.memory's public error policy, ``on_plan_error``) removes memrt's hooks from the model
     (the step then runs as without memrt) and warns once. False where the model is not under memrt.auto:
-    planner errors then propagate as they are.
+    planner errors then propagate as they are. Under a fit-the-device budget (``fit``) an infeasible budget's
+    error says where the budget came from and how to set one.
     """
     try:
+        from memrt.activation.budget import explain_error
         from memrt.memory.auto import on_plan_error
 
-        return on_plan_error(module, lambda exc: _session.fail("memory plan during training", exc))
+        return on_plan_error(module, lambda exc: _session.fail("memory plan during training", explain_error(exc, fit)))
     except Exception:  # noqa: BLE001
         return False
+
+
+def _carried_by(entry: dict[str, Any], path: str, explanation: str) -> None:
+    """Record, where it is chosen, which path carries a model's gradient reductions: ``path`` is the exit
+    summary's 'grads via' value (:func:`memrt.activation.report.gradient_path` lists them), ``explanation``
+    the report's ``comm_hook`` text."""
+    entry["grads_via"], entry["comm_hook"] = path, explanation
+
+
+def _group_path(ddp: Any) -> str:
+    """The gradient path of a DDP model without a memrt hook: its process group's (memrt's own, or torch's)."""
+    from memrt.comm.backend import is_memrt_group
+
+    return "memrt pg" if is_memrt_group(getattr(ddp, "process_group", None)) else "torch"
+
+
+def _hook_path(sess: Session) -> str:
+    compress = sess.config.compress
+    return "memrt hook" if compress in (None, "none") else f"memrt hook+{compress}"
 
 
 def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> Any:
     """memrt.comm.register_ddp_hook when this rank can use it, else None (reason in ``entry``)."""
     if sess.config.comm == "off":
-        entry["comm_hook"] = "off (MEMRT_COMM=off)"
+        _carried_by(entry, _group_path(ddp), "off (MEMRT_COMM=off)")
         return None
     from memrt.comm import register_ddp_hook
     from memrt.comm.backend import is_memrt_group
@@ -94,7 +118,7 @@ def _comm_hook_wanted(sess: Session, entry: dict[str, Any], ddp: Any = None) -> 
     if is_memrt_group(getattr(ddp, "process_group", None)) and sess.config.compress in (None, "none"):
         # The group already runs memrt's algorithms. Compression still takes the hook: it is what names each
         # gradient bucket, so error feedback stays with its bucket (a plain all_reduce is never compressed).
-        entry["comm_hook"] = "memrt.comm process group (no hook needed)"
+        _carried_by(entry, "memrt pg", "memrt.comm process group (no hook needed)")
         return None
     return register_ddp_hook
 
@@ -188,8 +212,7 @@ def _register_balanced(sess: Session, ddp: Any, register: Any, entry: dict[str, 
                            weighted_allreduce_hook)
     if is_timer:
         ctl.attach_timer(ddp)
-        budget = sess.config.budget
-        if budget is not None:
+        if sess.config.budget is not None or entry.get("budget_fit") is not None:  # a plan under a budget
             ctl.memory_bound = _plan_bound(ddp.module)
     entry["balance"] = f"MEMRT_BALANCE={sess.config.balance}" + (" (times the steps)" if is_timer else "")
     return bool(captured)
@@ -238,7 +261,7 @@ def note_optimizer(sess: Session, optimizer: Any) -> None:
             continue
         sess.syncs.append(sync)
         entry["sync"] = f"diloco every {sync.every} steps"
-        entry["comm_hook"] = "memrt.sync (gradients averaged within the node)"
+        _carried_by(entry, "memrt.sync", "memrt.sync (gradients averaged within the node)")
         sess.comm_hooks += 1
         return
 
@@ -264,7 +287,8 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     entry: dict[str, Any] = {"kind": "ddp", "index": sess.ddp_count, "module": type(module).__name__,
                              "parameters": sum(p.numel() for p in module.parameters()),
                              "budget": str(sess.config.budget) if sess.config.budget else None,
-                             "memory": "off", "comm_hook": "no", "device": _device_of(module)}
+                             "memory": "off", "comm_hook": "no", "grads_via": _group_path(ddp),
+                             "device": _device_of(module)}
     sess.models.append(entry)
     if sess.clock is not None:
         from memrt.activation.steptime import time_forward
@@ -292,13 +316,13 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
     ranks = _group_ranks(ddp, sess.world_size)
     comm_ok = _vote(sess, f"ddp{sess.ddp_count}", register is not None and not _session.is_off(), ranks)
     if not comm_ok and register is not None:
-        entry["comm_hook"] = "not on every rank: DDP's own all-reduce kept"
+        _carried_by(entry, _group_path(ddp), "not on every rank: DDP's own all-reduce kept")
     balance_ok = _vote(sess, f"ddp{sess.ddp_count}/balance", _balance_ready(sess, ddp, ranks), ranks)
     if balance_ok:
         try:
             if _register_balanced(sess, ddp, register if comm_ok else None, entry):
                 sess.comm_hooks += 1
-                entry["comm_hook"] = f"memrt.comm (compress={sess.config.compress})"
+                _carried_by(entry, _hook_path(sess), f"memrt.comm (compress={sess.config.compress})")
         except Exception as exc:  # noqa: BLE001
             _session.fail("registering the balanced DDP hook", exc)
         return
@@ -311,7 +335,7 @@ def setup_ddp(sess: Session, ddp: Any) -> None:
         _session.fail("registering the memrt.comm DDP hook", exc)
         return
     sess.comm_hooks += 1
-    entry["comm_hook"] = f"memrt.comm (compress={sess.config.compress})"
+    _carried_by(entry, _hook_path(sess), f"memrt.comm (compress={sess.config.compress})")
 
 
 def _balance_ready(sess: Session, _ddp: Any, ranks: list[int]) -> bool:
@@ -330,6 +354,7 @@ def note_fully_shard(sess: Session, module: Any) -> None:
     from memrt.comm.backend import default_is_memrt
 
     comm = "memrt process group" if default_is_memrt() else "fsdp2 own"
+    via = "memrt pg" if default_is_memrt() else "torch"
     compress = sess.config.compress
     if compress not in (None, "none") and sess.config.comm != "off":
         try:  # the module's own reduce-scatter: error feedback per parameter group
@@ -337,11 +362,13 @@ def note_fully_shard(sess: Session, module: Any) -> None:
 
             module.set_custom_reduce_scatter(MemrtReduceScatter.for_module(module, compress))
             comm = f"memrt.comm reduce-scatter (compress={compress})"
+            via = f"memrt rs+{compress}"
         except Exception as exc:  # noqa: BLE001
             _session.fail("FSDP2 gradient compression", exc)
     entry: dict[str, Any] = {"kind": "fsdp2", "module": type(module).__name__,
                              "parameters": sum(p.numel() for p in module.parameters()),
                              "memory": "planned with the module that shards it and its blocks", "comm_hook": comm,
+                             "grads_via": via,
                              "budget": str(sess.config.budget) if sess.config.budget else None,
                              "device": _device_of(module)}
     sess.models.append(entry)

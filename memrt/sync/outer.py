@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Fragment", "OuterSGD", "make_fragment"]
+__all__ = ["Fragment", "OuterSGD", "fragment_offsets", "make_fragment", "split_parameters"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,3 +136,28 @@ def make_fragment(params: Sequence[torch.nn.Parameter], *, offset: int = 0, mome
                     staging=_host_buffer(numel, True) if cuda else None)
     anchor.copy_(frag.flat())
     return frag
+
+
+def split_parameters(params: Sequence[torch.nn.Parameter], k: int) -> list[tuple[torch.nn.Parameter, ...]]:
+    """``params`` (in their order) as ``k`` contiguous, non-empty groups of roughly equal element counts, no
+    tensor split: cut ``i`` lies at the tensor boundary nearest ``i / k`` of the elements (ties: the earlier),
+    leaving at least one tensor for each group after it."""
+    params = tuple(params)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(params):
+        raise ValueError(f"k={k!r} is not valid: expected a whole number of groups in [1, {len(params)}] "
+                         "(one tensor at least per group)")
+    prefix = [0]
+    for p in params:
+        prefix.append(prefix[-1] + p.numel())
+    total, cuts = prefix[-1], [0]
+    for i in range(1, k):
+        lo, hi = cuts[-1] + 1, len(params) - (k - i)  # cut after tensor c-1: c in [lo, hi]
+        cuts.append(min(range(lo, hi + 1), key=lambda c: abs(k * prefix[c] - i * total)))  # integers: exact
+    cuts.append(len(params))
+    return [params[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def fragment_offsets(k: int, every: int) -> list[int]:
+    """Schedule offsets of ``k`` fragments spread over a round of ``every`` inner steps: ``round(i * every / k)``
+    (Streaming DiLoCo's staggered schedule); distinct for ``k <= every``."""
+    return [round(i * every / k) for i in range(k)]
