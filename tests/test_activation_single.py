@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _script_runs import ScriptRuns
 from memrt.config import load_config
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -61,46 +60,9 @@ else:
     JOBS["lightning"] = ([str(SCRIPTS / "single_lightning.py"), "--steps", "3"], {"MEMRT": "1", "MEMRT_BUDGET": "60%"})
 
 
-class Runs:
-    """The runs of :data:`JOBS`, started together; :meth:`get` waits for one: (stdout + stderr, folder)."""
-
-    def __init__(self, root: Path, timeout: float = 300) -> None:
-        self.timeout = timeout
-        self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-        self.done: dict[str, tuple[str, Path]] = {}
-        for name, (argv, settings) in JOBS.items():
-            folder = root / name.replace(" ", "-")
-            folder.mkdir(parents=True)
-            with open(folder / "output.txt", "w") as out:  # files, not pipes: no run waits on a full pipe
-                proc = subprocess.Popen([sys.executable, *argv, "--out", "params.pt"], env=_env(**settings),
-                                        cwd=folder, stdout=out, stderr=subprocess.STDOUT)
-            self.procs[name] = (proc, folder)
-
-    def get(self, name: str) -> tuple[str, Path]:
-        if name not in self.done:
-            proc, folder = self.procs[name]
-            try:
-                proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                pytest.fail(f"{name} hung for {self.timeout}s:\n{(folder / 'output.txt').read_text()[-3000:]}")
-            text = (folder / "output.txt").read_text()
-            expected = 2 if name == "loop bad budget" else 0
-            assert proc.returncode == expected, f"{name}: exit {proc.returncode}\n{text[-4000:]}"
-            self.done[name] = (text, folder)
-        return self.done[name]
-
-    def close(self) -> None:
-        for proc, _ in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    r = Runs(tmp_path_factory.mktemp("single"))
+    r = ScriptRuns(tmp_path_factory.mktemp("single"), JOBS, _env, returncodes={"loop bad budget": 2})
     yield r
     r.close()
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from _script_runs import ScriptRuns
 from memrt.activation.banner import format_banner
 from memrt.activation.budget import CPU_NO_PLAN, UNSET, banner_value, budget_lines, explain_error, model_budget
 from memrt.config import load_config
@@ -58,48 +57,23 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-class Runs:
+def _ddp(folder: Path) -> str:
+    """A 2-rank DDP job on CPU under MEMRT=1 without a budget: rank 0's output."""
+    from memrt.testing.launch import launch_ranks
+
+    folder.mkdir()
+    results = launch_ranks(["python", str(SCRIPTS / "ddp_train.py"), "--steps", "3", "--out",
+                            str(folder / "params.pt")], ranks_per_node=[2], timeout_s=180,
+                           env={"MEMRT": "1", "MEMRT_REPORT_DIR": str(folder / "report"), "OMP_NUM_THREADS": "1"})
+    return results[0].stderr
+
+
+class Runs(ScriptRuns):
     """The single-process runs of :data:`RUNS` (started together) and one 2-rank DDP job, run while they do."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-        for name, settings in RUNS.items():
-            folder = root / name
-            folder.mkdir()
-            with open(folder / "output.txt", "w") as out:  # a file, not a pipe: no run waits on a full pipe
-                proc = subprocess.Popen([sys.executable, *LOOP, "--out", "params.pt"], env=_env(**settings),
-                                        cwd=folder, stdout=out, stderr=subprocess.STDOUT)
-            self.procs[name] = (proc, folder)
-        self.ddp = self._ddp(root / "ddp")
-
-    @staticmethod
-    def _ddp(folder: Path) -> str:
-        from memrt.testing.launch import launch_ranks
-
-        folder.mkdir()
-        results = launch_ranks(["python", str(SCRIPTS / "ddp_train.py"), "--steps", "3", "--out",
-                                str(folder / "params.pt")], ranks_per_node=[2], timeout_s=180,
-                               env={"MEMRT": "1", "MEMRT_REPORT_DIR": str(folder / "report"), "OMP_NUM_THREADS": "1"})
-        return results[0].stderr
-
-    def get(self, name: str) -> tuple[str, Path]:
-        proc, folder = self.procs[name]
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"{name} hung:\n{(folder / 'output.txt').read_text()[-3000:]}")
-        text = (folder / "output.txt").read_text()
-        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{text[-4000:]}"
-        return text, folder
-
-    def close(self) -> None:
-        for proc, _ in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        super().__init__(root, {name: (LOOP, settings) for name, settings in RUNS.items()}, _env, timeout=180)
+        self.ddp = _ddp(root / "ddp")
 
 
 @pytest.fixture(scope="module")
