@@ -1,7 +1,8 @@
 """Check ``memrt project``'s model against measured runs: calibrate on one run, print predicted / measured for the rest.
 
     python -m benchmarks.projection_check                                  # the end_to_end record's arms
-    python -m benchmarks.projection_check --measured runs.json --calibrate stock@2x2
+    python -m benchmarks.projection_check --measured runs.json --calibrate stock@2x2@0.96g
+    python -m benchmarks.projection_check --end-to-end DIR1 DIR2 ...     # benchmarks.end_to_end --out folders
 
 A measurements file (``--measured``) is JSON: ``{"job": {...}, "runs": [...]}`` where ``job`` holds
 :class:`memrt.comm.projection.JobFigures`' fields (``forward_s``, ``backward_s``, ``grad_bytes`` instead of
@@ -41,6 +42,33 @@ def from_end_to_end(path: Path = RECORDS / "end_to_end.json", intra_gbit: float 
                     "samples_per_rank": 1, "tokens_per_sample": 128}, "runs": runs}
 
 
+_E2E_ARMS = {"stock": "stock", "memrt": "memrt", "memrt-bf16": "bf16", "memrt-int8": "int8"}
+
+
+def from_end_to_end_runs(folders: list[Path], intra_gbit: float = 20.0) -> dict[str, Any]:
+    """Measurements of ``benchmarks.end_to_end --out DIR`` runs (one per link rate, 2 x 2 ranks): each arm's
+    measured step at the link rate the run measured; the job's compute from the first run with a
+    ``compute-only`` arm, its gradient bytes from the model's parameters (float32)."""
+    runs, job = [], None
+    for folder in folders:
+        data = json.loads((folder / "end_to_end.json").read_text())
+        if not data.get("link_bps"):
+            raise SystemExit(f"{folder}: the run measured no link rate (it ran on loopback)")
+        gbit = data["link_bps"] / 1e9
+        res = data["results"]
+        if job is None and "compute-only" in res:
+            compute = res["compute-only"]["step_s"]
+            job = {"forward_s": compute / 3, "backward_s": 2 * compute / 3,
+                   "grad_bytes": 4 * res["compute-only"]["params"], "samples_per_rank": 1, "tokens_per_sample": 128}
+        for name, arm in _E2E_ARMS.items():
+            if name in res:
+                runs.append({"shape": [2, 2], "inter_gbit": round(gbit, 3), "intra_gbit": intra_gbit, "arm": arm,
+                             "label": f"{name} at {gbit:.2f} Gbit/s", "step_s": res[name]["step_s"]})
+    if job is None:
+        raise SystemExit("no run has a compute-only arm: add --arms ...,compute-only to one of them")
+    return {"job": job, "runs": runs}
+
+
 def _job(figures: dict[str, Any], k: float) -> pj.JobFigures:
     f = dict(figures)
     f["bucket_bytes"] = pj.ddp_buckets(f.pop("grad_bytes")) if "grad_bytes" in f else tuple(f["bucket_bytes"])
@@ -71,7 +99,8 @@ def calibrate(figures: dict[str, Any], run: dict[str, Any]) -> float:
 
 
 def _key(run: dict[str, Any]) -> str:
-    return f"{run['arm']}@{'x'.join(map(str, run['shape']))}"
+    """``arm@2x2@0.96g``: arm, ranks per node, the link between nodes in Gbit/s."""
+    return f"{run['arm']}@{'x'.join(map(str, run['shape']))}@{run['inter_gbit']:g}g"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measured", type=Path, help="measurements JSON (default: from benchmarks/records/end_to_end.json)")
     p.add_argument("--calibrate", default=None, help="ARM@SHAPE of the calibration run (default: the first run)")
     p.add_argument("--intra-gbit", type=float, default=20.0, help="loopback inside an emulated node (default 20)")
+    p.add_argument("--end-to-end", type=Path, nargs="+", metavar="DIR",
+                   help="--out folders of benchmarks.end_to_end runs (e.g. at several --rate), one with compute-only")
     args = p.parse_args(argv)
-    data = json.loads(args.measured.read_text()) if args.measured else from_end_to_end(intra_gbit=args.intra_gbit)
+    if args.end_to_end:
+        data = from_end_to_end_runs(args.end_to_end, intra_gbit=args.intra_gbit)
+    elif args.measured:
+        data = json.loads(args.measured.read_text())
+    else:
+        data = from_end_to_end(intra_gbit=args.intra_gbit)
     runs = data["runs"]
     base = next((r for r in runs if _key(r) == args.calibrate), None) if args.calibrate else runs[0]
     if base is None:
@@ -88,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     k = calibrate(data["job"], base)
     print(f"calibrated on {_key(base)}: compute x {k:.3f} (measured {base['step_s'] * 1e3:.0f} ms)")
-    print(f"{'run':<16} {'label':<28} {'measured ms':>11} {'predicted ms':>12} {'pred/meas':>9}")
+    print(f"{'run':<22} {'label':<28} {'measured ms':>11} {'predicted ms':>12} {'pred/meas':>9}")
     for r in runs:
         t = predict(data["job"], r, k)
-        print(f"{_key(r):<16} {str(r.get('label', '')):<28} {r['step_s'] * 1e3:>11.0f} {t * 1e3:>12.0f} "
+        print(f"{_key(r):<22} {str(r.get('label', '')):<28} {r['step_s'] * 1e3:>11.0f} {t * 1e3:>12.0f} "
               f"{t / r['step_s']:>9.2f}")
     return 0
 

@@ -20,6 +20,7 @@ __all__ = ["main", "COMMANDS", "known_options", "unknown_arguments_message"]
 COMMANDS = {
     "info": ("memrt.info", "show versions, devices, launcher and every setting with its source"),
     "run": ("memrt.activation.run", "run a command with memrt switched on (no .pth needed)"),
+    "plan": ("memrt.activation.plan", "pick a budget: a job's memory frontier from its first steps, then stop"),
     "demo": ("memrt.demo", "short GPT-style training, stock vs memrt, side by side"),
     "report": ("memrt.profiling.report", "merge per-rank files of a run into text, JSON and plots"),
     "bench": ("memrt.bench", "probe links and benchmark collectives (memrt bench comm)"),

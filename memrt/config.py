@@ -29,6 +29,7 @@ __all__ = [
     "SETTINGS",
     "Setting",
     "TEST_ONLY_VARIABLES",
+    "NOT_USER_VARIABLES",
     "VARIABLES",
     "budget_capacity_error",
     "cache_dir",
@@ -298,6 +299,10 @@ class MemrtConfig:
     """MEMRT_SYNC_FRAGMENTS: K parameter fragments under MEMRT_SYNC=diloco, their outer steps spread over the round
     and each exchange overlapped with the next inner step (Streaming DiLoCo); >= 1, at most MEMRT_SYNC_EVERY;
     1: the whole model at once, blocking."""
+    plan_out: str | None = None
+    """MEMRT_PLAN_OUT: set by ``memrt plan``, not a user setting. A folder: each rank writes the memory frontier
+    of its model's first profiled step there (memrt.activation.frontier) and the job stops at its next
+    training step."""
     test_device_free: int | None = None
     """MEMRT_TEST_DEVICE_FREE: TEST ONLY, not a user setting. Bytes (or a size, 600MB): under MEMRT=1 without
     MEMRT_BUDGET, memrt plans as on a device with this much free memory, on any device (CPU included): the
@@ -335,7 +340,7 @@ class MemrtConfig:
         (:data:`TEST_ONLY_VARIABLES`) only when it is set."""
         out = {}
         for var, fname in _VAR_TO_FIELD.items():
-            if var in TEST_ONLY_VARIABLES and self.sources.get(var, "default") == "default":
+            if var in NOT_USER_VARIABLES and self.sources.get(var, "default") == "default":
                 continue
             value = getattr(self, fname)
             if isinstance(value, Budget):
@@ -367,6 +372,9 @@ class Setting:
     test_only: bool = False
     """True for a testing aid that is not a user setting: not in README's settings table; the banner and
     ``memrt info`` show it only when it is set, marked test only."""
+    set_by: str = ""
+    """The memrt command that sets it (``memrt plan``), for a variable that is not a user setting: shown and
+    left out of README's table as a test-only one, marked with the command."""
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -387,6 +395,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MEMRT_SYNC", "sync", _choice(SYNC_CHOICES), agree=True),
     Setting("MEMRT_SYNC_EVERY", "sync_every", _positive_int, agree=True),
     Setting("MEMRT_SYNC_FRAGMENTS", "sync_fragments", _positive_int, agree=True),
+    Setting("MEMRT_PLAN_OUT", "plan_out", _path, set_by="memrt plan"),
     Setting("MEMRT_TEST_DEVICE_FREE", "test_device_free", parse_size, test_only=True),
 )
 """Every setting, in the order memrt info and the banner show them. A new setting is one row here plus
@@ -399,6 +408,10 @@ AGREED_VARIABLES = tuple(s.var for s in SETTINGS if s.agree)
 """Variables every rank of a job must set to the same value."""
 TEST_ONLY_VARIABLES = tuple(s.var for s in SETTINGS if s.test_only)
 """Testing aids, not user settings (:attr:`Setting.test_only`)."""
+NOT_USER_VARIABLES = {s.var: ("test only" if s.test_only else f"set by {s.set_by}") for s in SETTINGS
+                      if s.test_only or s.set_by}
+"""Variables that are not user settings (testing aids, or set by a memrt command) -> the mark the banner and
+``memrt info`` show them with; both list them only when set."""
 VARIABLES = tuple(_PARSERS)
 """Every MEMRT_* variable memrt understands."""
 

@@ -7,7 +7,7 @@ import json
 import platform
 
 from memrt._version import __version__
-from memrt.config import AGREED_VARIABLES, TEST_ONLY_VARIABLES, load_config
+from memrt.config import AGREED_VARIABLES, NOT_USER_VARIABLES, TEST_ONLY_VARIABLES, load_config
 from memrt.sizes import format_bytes
 from memrt.launcher import discover_launch
 
@@ -63,6 +63,7 @@ def collect_info() -> dict:
         "config": config.effective(),
         "same_on_every_rank": list(AGREED_VARIABLES),
         "test_only": list(TEST_ONLY_VARIABLES),
+        "not_user": dict(NOT_USER_VARIABLES),
         "report_problem": default_report_problem(config),
         "autoload_installed": _autoload_installed(),
     }
@@ -84,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'variable':<20} {'value':<24} {'source':<12} ranks")
     for var, item in info["config"].items():
         ranks = "same" if var in info["same_on_every_rank"] else "per rank"
-        if var in info["test_only"]:  # listed only when set: a testing aid, not a user setting
-            ranks += " (test only)"
+        if var in info["not_user"]:  # listed only when set: a testing aid or set by a command, not a user setting
+            ranks += f" ({info['not_user'][var]})"
         print(f"  {var:<20} {str(item['value']):<24} {item['source']:<12} {ranks}")
     if info["report_problem"]:
         print(f"note: a run here would write no report ({info['report_problem']}); set MEMRT_REPORT_DIR")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memrt._version import __version__
-from memrt.config import TEST_ONLY_VARIABLES, MemrtConfig
+from memrt.config import NOT_USER_VARIABLES, MemrtConfig
 
 __all__ = ["format_banner", "describe_nodes"]
 
@@ -36,7 +36,7 @@ def format_banner(*, config: MemrtConfig, launcher: str, world_size: int,
         value = "-" if item["value"] is None else str(item["value"])
         if var == "MEMRT_BUDGET" and item["value"] is None and budget:
             value = budget
-        elif var in TEST_ONLY_VARIABLES:
-            value += " (test only)"
+        elif var in NOT_USER_VARIABLES:
+            value += f" ({NOT_USER_VARIABLES[var]})"
         lines.append(f"memrt: {var:<18} {value:<22} {item['source']}")
     return "\n".join(lines)

@@ -53,6 +53,10 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: 
         # GPU: fit the device (its free memory now, less the margin)
         budget, fit = model_budget(sess, _device_of(module), entry)
         auto(module, budget=budget, offload=offload, config=sess.config)
+        if sess.config.plan_out:  # memrt plan: the frontier of the first profiled step, then stop
+            from memrt.activation.plan import watch
+
+            watch(sess, module, _device_of(module) or "cpu")
     except Exception:
         try:
             disable(module)

@@ -46,10 +46,12 @@ from memrt.memory.trees import tensor_leaves
 from memrt.memory.trials import CompiledTrials
 from memrt.memory.units import expect_module, find_units, structure_key
 
-__all__ = ["auto", "plan_of", "disable", "on_plan_error", "MAX_TRIES"]
+__all__ = ["auto", "plan_of", "disable", "on_plan_error", "on_profiled", "MAX_TRIES"]
 
 PlanErrorCallback = Callable[[Exception], None]
 """``callback(exc)``: what :func:`on_plan_error` calls with an error of planning raised during a training step."""
+ProfileCallback = Callable[[Profile], None]
+"""``callback(profile)``: what :func:`on_profiled` calls with each profile of a training step."""
 
 
 class _State:
@@ -71,6 +73,7 @@ class _State:
         self.session: ProfileSession | None = None
         """The profile of this step, while one is made."""
         self.on_error: PlanErrorCallback | None = None
+        self.on_profile: ProfileCallback | None = None
         """Where planning errors of a training step go (:func:`on_plan_error`); None: raised from the forward."""
         self.steps = StepTracker()
         sharded = _has_fsdp(model)
@@ -197,6 +200,8 @@ class _State:
             else:  # the shapes may vary later: this profile then serves its bucket
                 self.inforce.seeds[signature_of(bucket_shapes(steps.shapes))] = (profile, list(steps.shapes))
             self._note_training()
+            if self.on_profile is not None:
+                self.on_profile(profile)
             self.maker.make(profile, margin=0, tries=1, scale=scale)
             return
         if self.certifier.meter is not None:
@@ -312,6 +317,17 @@ def on_plan_error(model: nn.Module, callback: PlanErrorCallback | None) -> bool:
     if st is None:
         return False
     st.on_error = callback
+    return True
+
+
+def on_profiled(model: nn.Module, callback: ProfileCallback | None) -> bool:
+    """Call ``callback(profile)`` with each eager profile of a training step of ``model`` (under :func:`auto`
+    with a budget: the first step's, and a new input shape's), before the plan is made from it, inside the next
+    training forward's pre-hook; ``None`` removes it. Returns False when ``model`` is not under :func:`auto`."""
+    st = _STATES.get(_uncompiled(expect_module("memrt.memory.auto.on_profiled", model)))
+    if st is None:
+        return False
+    st.on_profile = callback
     return True
 
 
