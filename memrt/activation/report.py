@@ -147,12 +147,17 @@ def _device(sess: Session) -> dict[str, Any]:
     return {"kind": dev.type, "name": name, "capacity_bytes": device_capacity_bytes(dev)}
 
 
+def _fitted_budget(sess: Session) -> int | None:
+    """The first fit-the-device budget memrt derived in this session (MEMRT_BUDGET unset), or None."""
+    return next((fit.budget_bytes for fit in sess.fits.values() if fit is not None), None)
+
+
 def _budget_bytes(sess: Session, device: dict[str, Any]) -> int | None:
     """MEMRT_BUDGET in bytes on this rank's device (a share resolves against its capacity), else the first
     fit-the-device budget memrt derived, or None."""
     config = sess.config
     if config.budget is None:
-        return next((fit.budget_bytes for fit in sess.fits.values() if fit is not None), None)
+        return _fitted_budget(sess)
     if config.budget.bytes is not None:
         return config.budget.bytes
     capacity = device.get("capacity_bytes")
@@ -184,7 +189,7 @@ def rank_summary(sess: Session, plans: list[dict[str, Any]], comm: list[Any]) ->
     """The few numbers rank 0 prints for this rank."""
     actions: Counter = Counter()
     peak = predicted = None
-    budget = next((fit.budget_bytes for fit in sess.fits.values() if fit is not None), None)  # fit the device
+    budget = _fitted_budget(sess)
     for plan in plans:
         for unit in plan.get("units", []):
             actions[unit.get("action", "?")] += 1
