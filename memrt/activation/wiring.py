@@ -51,12 +51,13 @@ def _plan_memory(sess: Session, module: Any, entry: dict[str, Any], *, offload: 
     try:
         # the session's settings; a share of the device resolves on this rank's device; no MEMRT_BUDGET on a
         # GPU: fit the device (its free memory now, less the margin)
-        budget, fit = model_budget(sess, _device_of(module), entry)
+        device = _device_of(module)
+        budget, fit = model_budget(sess, device, entry)
         auto(module, budget=budget, offload=offload, config=sess.config)
         if sess.config.plan_out:  # memrt plan: the frontier of the first profiled step, then stop
             from memrt.activation.plan import watch
 
-            watch(sess, module, _device_of(module) or "cpu")
+            watch(sess, module, device or "cpu")
     except Exception:
         try:
             disable(module)
