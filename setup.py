@@ -72,7 +72,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", "psutil"],
     extras_require={
         "mpi": ["mpi4py>=3.1"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "expecttest", "mpi4py>=3.1", "mpich", "matplotlib", "transformers>=5",
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "hypothesis", "expecttest", "mpi4py>=3.1", "mpich", "matplotlib", "transformers>=5",
                  "accelerate>=1.0", "pytorch-lightning>=2.0", "import-linter>=2.17"],
         "plot": ["matplotlib"],
     },

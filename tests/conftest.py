@@ -1,7 +1,10 @@
-"""Shared fixtures and markers: gpu tests skip without CUDA, root tests without root, mpi without mpiexec."""
+"""Shared fixtures and markers: gpu tests skip without CUDA, root tests without root, mpi without mpiexec;
+``alone`` tests run with no other test beside them when the suite runs on several workers (``pytest -n``)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -12,21 +15,56 @@ from memrt.testing import venv_bin
 
 
 _INDUCTOR_CACHE: str | None = None
+# the lock file that keeps ``alone`` tests apart from every other test; set by the session's first process
+# (xdist's controller, or the only process) and inherited by the workers it starts
+_TURN_LOCK = "PYTEST_MEMRT_TURN_LOCK"  # not MEMRT_*: the processes tests start inherit it
 
 
 def pytest_configure(config):
     """One inductor cache for the session (empty at its start, as on a fresh machine): the processes the
-    tests start inherit it, so a graph compiled by one test is not compiled again by the next."""
+    tests start inherit it, so a graph compiled by one test is not compiled again by the next. The
+    workers of ``pytest -n`` inherit it too, with the lock file of :func:`_turn`."""
     global _INDUCTOR_CACHE
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="memrt-tests-inductor-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+        os.environ[_TURN_LOCK] = os.path.join(_INDUCTOR_CACHE, "turn.lock")
 
 
 def pytest_unconfigure(config):
     if _INDUCTOR_CACHE is not None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        os.environ.pop(_TURN_LOCK, None)
         shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _turn(alone: bool):
+    """Hold the session's lock for one test: shared for most, exclusive for an ``alone`` test (it measures
+    time, CPU shares or links, so nothing else may run beside it). A waiting exclusive holder goes first:
+    every holder passes a gate, which the exclusive one keeps closed while it waits."""
+    path = os.environ.get(_TURN_LOCK)
+    if path is None or not os.path.isdir(os.path.dirname(path)):
+        yield
+        return
+    with open(path + ".gate", "a") as gate, open(path, "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Set-up, call and tear-down of each test (module fixtures included) inside its turn; root tests run
+    alone too (network namespaces, shaped links and cgroup quotas are the whole machine's)."""
+    with _turn("alone" in item.keywords or "root" in item.keywords):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

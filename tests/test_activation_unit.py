@@ -85,6 +85,7 @@ def test_import_torch_with_memrt_unset_imports_no_memrt_module():
     assert ours == [], f"memrt modules imported with MEMRT unset: {ours}"
 
 
+@pytest.mark.alone
 def test_pth_costs_under_2ms_when_off(monkeypatch):
     pth = _pth_path()
     monkeypatch.delenv("MEMRT", raising=False)

@@ -130,6 +130,7 @@ def timed_scenarios():
     return run_processes(_scenarios, 2, timeout=240)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_agreeing_ranks_pass_in_milliseconds_and_only_once_per_group(timed_scenarios):
     for rank in (0, 1):
@@ -139,6 +140,7 @@ def test_agreeing_ranks_pass_in_milliseconds_and_only_once_per_group(timed_scena
     record_time("agreement-ok-in-process", max(timed_scenarios[r]["default-group"][1] for r in (0, 1)))
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_mismatch_is_reported_on_every_rank_within_seconds(timed_scenarios):
     (m0, t0), (m1, t1) = (timed_scenarios[r]["mismatch"] for r in (0, 1))
@@ -147,6 +149,7 @@ def test_mismatch_is_reported_on_every_rank_within_seconds(timed_scenarios):
     record_time("agreement-mismatch-in-process", max(t0, t1))
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.parametrize("silent", [1, 0])
 def test_a_silent_rank_is_reported_after_the_wait(timed_scenarios, silent):
@@ -156,6 +159,7 @@ def test_a_silent_rank_is_reported_after_the_wait(timed_scenarios, silent):
     record_time(f"agreement-rank-{silent}-silent-in-process", seconds)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_lazy_backends_wait_longer_and_say_so(timed_scenarios):
     message, seconds, records = timed_scenarios[0]["lazy"]

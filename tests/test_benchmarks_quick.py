@@ -1,8 +1,7 @@
 """The benchmarks' --quick modes run from a clean checkout and produce their JSON with same-run ratios.
 
-One slow test for all of them (budget: 60 s on an idle 2-core machine; the generous timeouts are for
-a shared, loaded machine). A memrt arm that raises fails its benchmark (exit 1, a printed FAIL line) and so
-this test; a SKIP is printed only for a requirement the machine lacks (root, a GPU, a package), named in
+One slow test per benchmark (the generous timeouts are for a shared, loaded machine). A memrt arm that
+raises fails its benchmark (exit 1, a printed FAIL line) and so its test; a SKIP is printed only for a requirement the machine lacks (root, a GPU, a package), named in
 the line.
 """
 
@@ -27,9 +26,9 @@ def _run(args: list[str], out: Path, timeout: float) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_benchmarks_quick_modes(tmp_path):
-    # memory frontier (GPT only here): baselines measured, peaks ordered as checkpointing implies
+@pytest.mark.timeout(900)
+def test_memory_frontier_quick(tmp_path):
+    """GPT only here: baselines measured, peaks ordered as checkpointing implies."""
     data, out = _run(["benchmarks.memory_frontier", "--workloads", "gpt"], tmp_path, 600)
     assert data["machine"]["cores"] and data["machine"]["torch"]
     rows = {r["arm"]: r for r in data["results"]["gpt"]["rows"]}
@@ -44,7 +43,12 @@ def test_benchmarks_quick_modes(tmp_path):
         assert "time_vs_fastest_fitting" in r
     assert (tmp_path / "memory_frontier.png").exists()
 
-    # collectives: nccl-tests columns; gloo is the baseline measured in the same run
+
+@pytest.mark.alone
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_collectives_sweep_quick(tmp_path):
+    """nccl-tests columns; gloo is the baseline measured in the same run; auto's decision timed (alone: < 1 ms)."""
     data, out = _run(["benchmarks.collectives_sweep", "--impls", "gloo,memrt-auto,memrt-check", "--ops",
                       "all_reduce,broadcast", "--max-size", "64KiB"], tmp_path, 600)
     res = data["nets"][0]["results"]
@@ -66,7 +70,11 @@ def test_benchmarks_quick_modes(tmp_path):
     assert "(interleaved)" in out and "decomposed (auto = its chosen algorithm" in out
     assert data["failed"] == [] and "FAIL" not in out
 
-    # end to end: unchanged script, stock vs MEMRT=1 (exact mode trains to the same loss)
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_end_to_end_quick(tmp_path):
+    """Unchanged script, stock vs MEMRT=1 (exact mode trains to the same loss)."""
     data, out = _run(["benchmarks.end_to_end", "--arms", "stock,memrt", "--steps", "6"], tmp_path, 600)
     stock = data["results"]["stock"]
     assert stock["tokens_per_s"] > 0 and stock["final_loss"] > 0
@@ -75,7 +83,11 @@ def test_benchmarks_quick_modes(tmp_path):
     assert m["final_loss"] == pytest.approx(stock["final_loss"], rel=1e-5)
     assert data["failed"] == [] and "memrt" not in data["skipped"]
 
-    # model zoo: transformers models, outside peak / budget and time vs the fastest fitting reference per row
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_model_zoo_quick(tmp_path):
+    """transformers models: outside peak / budget and time vs the fastest fitting reference per row."""
     data, out = _run(["benchmarks.model_zoo"], tmp_path, 900)
     rows = data["rows"]
     assert {r["model"] for r in rows} == {"gpt2"} and len(rows) == 3, rows
@@ -101,6 +113,7 @@ def test_dynamic_shapes_quick(tmp_path):
     assert "memrt / fixed plan =" in out
 
 
+@pytest.mark.alone  # its CPU caps are checked against an uncapped rank's speed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mixed_cluster_job_quick(tmp_path):

@@ -43,11 +43,14 @@ def baseline(tmp_path_factory) -> float:
     return run.seconds
 
 
-def _clear_exit(run, baseline: float, *, lines: int, needles: list[str], bound_s: float = AGREE_BOUND_S) -> str:
+def _clear_exit(run, baseline: float, *, lines: int | tuple[int, ...], needles: list[str],
+                bound_s: float = AGREE_BOUND_S) -> str:
+    """``lines``: how many memrt error lines the job prints (a tuple: any of them)."""
     assert run.rc != 0, run.out[-3000:]
     assert 2 in run.worker_exit_codes(), f"a rank must exit 2:\n{run.out[-3000:]}"
     errors = run.errors()
-    assert len(errors) == lines, f"want {lines} memrt error line(s):\n{run.out[-4000:]}"
+    allowed = lines if isinstance(lines, tuple) else (lines,)
+    assert len(errors) in allowed, f"want {lines} memrt error line(s):\n{run.out[-4000:]}"
     for needle in needles:
         assert any(needle in e for e in errors), f"{needle!r} not in {errors}"
     assert run.seconds <= baseline + bound_s, f"{run.seconds:.1f}s to exit, stock start-up {baseline:.1f}s"
@@ -116,7 +119,9 @@ def test_unwritable_report_dir_stops_at_start(tmp_path, baseline):
     blocker = tmp_path / "afile"
     blocker.write_text("not a folder")
     run = torchrun(tmp_path, EXAMPLE, "--steps", "2", MEMRT="1", MEMRT_REPORT_DIR=str(blocker / "report"))
-    _clear_exit(run, baseline, lines=2, needles=["MEMRT_REPORT_DIR=", "afile is not a directory"])
+    # each rank checks the folder on its own at start-up: torchrun stops the other rank once the first exits 2,
+    # which may be before the other reached its check (one line) or after (two)
+    _clear_exit(run, baseline, lines=(1, 2), needles=["MEMRT_REPORT_DIR=", "afile is not a directory"])
     assert "step 0" not in run.out and run.tracebacks() == 0
     assert leftovers(tmp_path, allowed=("wrap.sh", "tmp", "afile")) == []
     record_time("unwritable-report-dir", run.seconds)

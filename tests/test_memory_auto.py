@@ -381,6 +381,7 @@ def test_dict_outputs_kwargs_and_autocast_recompute():
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_step1_profiling_overhead_at_most_2x_a_normal_step():
     """Step 1 under memrt (profile every unit, then plan at step 2's start) vs step 1 of the same job

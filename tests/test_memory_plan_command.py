@@ -58,6 +58,7 @@ def _measured_peak(folder: Path) -> int:
     return plan["measured_peak_bytes"]
 
 
+@pytest.mark.alone  # the peaks are the process's high-water mark (VmHWM), 12% off once beside another test
 @pytest.mark.slow
 def test_frontier_predicts_the_peaks_the_job_then_measures(tmp_path):
     rows_by_job = {}

@@ -69,6 +69,7 @@ def test_budget_error_names_min_feasible():
     assert plan(prof, mf).predicted_peak_bytes <= mf
 
 
+@pytest.mark.alone
 def test_planning_200_units_under_a_second():
     prof = synthetic(200, 7)
     mf = min_feasible_budget(prof)
