@@ -375,6 +375,8 @@ def test_gc_freeze_failure_is_reported_and_leaves_the_collector_as_it_was(monkey
     def broken() -> None:
         raise RuntimeError("no freezing here")
 
+    # objects an earlier test of this process froze may die during this one (the count would drop): none here
+    gc.unfreeze()
     monkeypatch.setattr(gc, "freeze", broken)
     before = gc.get_freeze_count()
     sess = _gc_session()

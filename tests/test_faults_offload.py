@@ -18,7 +18,8 @@ import pytest
 
 from _faults import REPO, leftovers, record_time, torchrun
 
-pytestmark = pytest.mark.slow
+# alone: every run here plans the disk tier from its measured speed against recompute's, which a loaded machine tips
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 DEEP = REPO / "tests" / "scripts" / "deep_ddp.py"
 # 16 narrow blocks, batch 2048: recompute-only needs ~10 MiB, a plan offloading to disk ~4 MiB; at 7 MiB only

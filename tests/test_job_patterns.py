@@ -145,6 +145,7 @@ def _host() -> str:
     return socket.gethostname().replace("-", "_")
 
 
+@pytest.mark.alone  # the plan weighs the disk tier's measured speed against recompute's: a loaded machine tips it
 def test_torchrun_restart_resumes_and_leaves_nothing_behind(stock, tmp_path):
     """``torchrun --max-restarts 1``, MEMRT=1 with a plan on the disk tier: rank 1 dies (``os._exit(1)``, no clean-up)
     at step 3 of 6 in the first attempt; the second resumes from the step-2 DCP checkpoint and finishes with the
