@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # memrt's two commands, each doing its own set-up in ./.venv on first use:
 #   bash dev.sh demo   - the main job (memrt demo: stock vs memrt, side by side)
-#   bash dev.sh test   - the whole test suite, on 2 workers (pytest -n 2; a file's tests stay on one worker,
-#                        so its shared set-up runs once; tests marked alone run with nothing beside them)
-# Extra arguments go to the command (e.g. bash dev.sh test -k config, bash dev.sh test -n 0 for one process).
+#   bash dev.sh test   - the whole test suite, one test at a time (what CI runs)
+# Extra arguments go to the command (e.g. bash dev.sh test -k config). bash dev.sh test -n 2 --dist loadfile
+# runs it on 2 workers (tests marked alone run with nothing beside them): faster, but tests that measure
+# speeds (balance shares) can fail beside another test on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")"
 cmd="${1:-}"; shift || true
@@ -26,7 +27,7 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
     touch "$stamp"
 fi
 case "$cmd" in
-    test) exec "$PY" -m pytest -q tests -n 2 --dist loadfile "$@" ;;
+    test) exec "$PY" -m pytest -q tests "$@" ;;
     demo) exec "$VENV/bin/memrt" demo "$@" ;;
     info) exec "$VENV/bin/memrt" info "$@" ;;
     *) echo "usage: bash dev.sh {demo|test|info} [args...]" >&2; exit 2 ;;
