@@ -15,6 +15,7 @@ from memrt.testing import venv_bin
 
 
 _INDUCTOR_CACHE: str | None = None
+_TURN_DIR: str | None = None
 # the lock file that keeps ``alone`` tests apart from every other test; set by the session's first process
 # (xdist's controller, or the only process) and inherited by the workers it starts
 _TURN_LOCK = "PYTEST_MEMRT_TURN_LOCK"  # not MEMRT_*: the processes tests start inherit it
@@ -24,18 +25,22 @@ def pytest_configure(config):
     """One inductor cache for the session (empty at its start, as on a fresh machine): the processes the
     tests start inherit it, so a graph compiled by one test is not compiled again by the next. The
     workers of ``pytest -n`` inherit it too, with the lock file of :func:`_turn`."""
-    global _INDUCTOR_CACHE
+    global _INDUCTOR_CACHE, _TURN_DIR
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="memrt-tests-inductor-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
-        os.environ[_TURN_LOCK] = os.path.join(_INDUCTOR_CACHE, "turn.lock")
+    if _TURN_LOCK not in os.environ:
+        _TURN_DIR = tempfile.mkdtemp(prefix="memrt-tests-turn-")
+        os.environ[_TURN_LOCK] = os.path.join(_TURN_DIR, "turn.lock")
 
 
 def pytest_unconfigure(config):
     if _INDUCTOR_CACHE is not None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        os.environ.pop(_TURN_LOCK, None)
         shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
+    if _TURN_DIR is not None:
+        os.environ.pop(_TURN_LOCK, None)
+        shutil.rmtree(_TURN_DIR, ignore_errors=True)
 
 
 @contextlib.contextmanager
